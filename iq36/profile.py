@@ -1,0 +1,99 @@
+"""Engine profiles: typed, validated TOML with a hash of what changes numerics or speed.
+
+A profile names the device, the OpenVINO properties, prefill chunking, which kernels apply,
+limits and memory-guard thresholds. Only the `engine`, `prefill` and `kernels` tables enter
+the profile hash (SPEC §2): queue sizes, limits and guard thresholds are service settings and
+do not change what the model computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+import profiles
+
+PropertyValue = str | int | float | bool
+
+
+class EngineSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    device: str = "CPU"
+    properties: dict[str, PropertyValue] = {}
+    # genai LLMPipeline attention backend for the stock engine ("PA" or "SDPA"); None = default.
+    attention_backend: str | None = None
+
+
+class PrefillSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    chunk_tokens: int = 1024
+
+
+class LimitsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    max_prompt_tokens: int = 131072
+    max_output_tokens: int = 512
+
+
+class MemoryGuardSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    max_worker_rss_bytes: int = 0
+    min_available_bytes: int = 0
+
+
+class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    description: str = ""
+    engine: EngineSection = EngineSection()
+    prefill: PrefillSection = PrefillSection()
+    kernels: dict[str, bool] = {}
+    limits: LimitsSection = LimitsSection()
+    memory_guard: MemoryGuardSection = MemoryGuardSection()
+    source: str = ""  # where it was loaded from; not part of the file format
+
+    def engine_part(self) -> dict[str, Any]:
+        """The part that changes numerics or speed, as plain data."""
+        return {
+            "engine": msgspec.to_builtins(self.engine),
+            "prefill": msgspec.to_builtins(self.prefill),
+            "kernels": dict(sorted(self.kernels.items())),
+        }
+
+    @property
+    def hash(self) -> str:
+        blob = json.dumps(self.engine_part(), sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+class ProfileError(Exception):
+    pass
+
+
+def resolve(name_or_path: str) -> Path:
+    """A shipped profile's name (`cpu`) or a path to a TOML file."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        return path
+    shipped = profiles.DIR / f"{name_or_path}.toml"
+    if shipped.is_file():
+        return shipped
+    raise ProfileError(
+        f"unknown profile {name_or_path!r}: pass a TOML path or one of {', '.join(profiles.available())}"
+    )
+
+
+def load(name_or_path: str) -> Profile:
+    path = resolve(name_or_path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
+    try:
+        prof = msgspec.toml.decode(raw, type=Profile)
+    except msgspec.ValidationError as exc:
+        raise ProfileError(f"invalid profile {path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProfileError(f"profile {path} is not valid TOML: {exc}") from None
+    if prof.prefill.chunk_tokens <= 0:
+        raise ProfileError(f"invalid profile {path}: prefill.chunk_tokens must be positive")
+    return msgspec.structs.replace(prof, source=str(path))

@@ -1,0 +1,1 @@
+"""The process that holds the model: identity checks, engines, tokenizer, sampling."""

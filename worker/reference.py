@@ -1,0 +1,50 @@
+"""A plain stateful loop over the unmodified IR on stock OpenVINO: the numeric reference.
+
+No specialisation, no chunking: the IR exactly as exported, one `infer` for the prompt and
+one per token. Used by parity tests and, later, by the gate for full-vocabulary distributions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class ReferenceRunner:
+    def __init__(self, model_dir: Path, device: str = "CPU", properties: dict[str, Any] | None = None):
+        import openvino as ov
+
+        core = ov.Core()
+        self.model = core.read_model(model_dir / "openvino_model.xml")
+        self.compiled = core.compile_model(self.model, device, properties or {})
+        self.request = self.compiled.create_infer_request()
+        self._inputs = {p.get_any_name() for p in self.model.inputs}
+
+    def _feed(self, ids: np.ndarray, past: int) -> np.ndarray:
+        n = ids.shape[-1]
+        feed: dict[str, np.ndarray] = {
+            "input_ids": ids.reshape(1, n).astype(np.int64),
+            "attention_mask": np.ones((1, past + n), dtype=np.int64),
+        }
+        if "position_ids" in self._inputs:
+            feed["position_ids"] = np.arange(past, past + n, dtype=np.int64).reshape(1, n)
+        if "beam_idx" in self._inputs:
+            feed["beam_idx"] = np.zeros((1,), dtype=np.int32)
+        self.request.infer(feed)
+        return self.request.get_tensor("logits").data[0]  # [n, vocab]
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
+        """Greedy tokens and the logits each was chosen from ([new_tokens, vocab], float32)."""
+        self.request.reset_state()
+        logits = self._feed(np.asarray(prompt), 0)[-1]
+        out, steps = [], []
+        past = len(prompt)
+        for _ in range(new_tokens):
+            steps.append(np.array(logits, dtype=np.float32))
+            token = int(np.argmax(logits))
+            out.append(token)
+            logits = self._feed(np.asarray([token]), past)[-1]
+            past += 1
+        return out, np.stack(steps)
