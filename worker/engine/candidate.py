@@ -1,0 +1,241 @@
+"""The candidate engine: our own generation loop over `openvino.Core` on the locked IR.
+
+One compiled model, one infer request, one request at a time. The IR is stateful (conv/ssm
+states of the Gated-DeltaNet layers, KV of the full-attention layers), so a request is
+`reset_state()`, then its prompt is fed in chunks of `profile.prefill.chunk_tokens` — one
+chunk per `step()`, so an abort lands between chunks — and then one token per `step()`.
+Kernels from `kernels/` rewrite the IR before compile (see `_KERNELS`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from iq36.profile import Profile
+from worker.detok import OutputStream
+from worker.engine import check_request
+from worker.engine.types import EngineRequest, FinishReason, StepOutput
+from worker.sampling import Sampler
+from worker.tokenizer import ModelTokenizer, read_vocab_size
+
+log = logging.getLogger(__name__)
+
+
+def _last_token_logits(model: Any) -> Any:
+    from kernels import last_token_logits
+
+    return last_token_logits.apply(model)
+
+
+def _perturb_embeddings(model: Any) -> Any:
+    from kernels import perturb
+
+    return perturb.apply(model)
+
+
+# name -> (rewrite, default when the profile's [kernels] table does not name it)
+_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
+    "last_token_logits": (_last_token_logits, True),
+    # deliberately wrong; only for proving the correctness gate fails (kernels/perturb.py)
+    "perturb_embeddings": (_perturb_embeddings, False),
+}
+
+
+class _Running:
+    """The request being served: where its prefill is, its sampler and its output stream."""
+
+    def __init__(self, req: EngineRequest, tokenizer: ModelTokenizer) -> None:
+        self.req = req
+        self.prompt = np.asarray(req.prompt_ids, dtype=np.int64)
+        self.fed = 0  # tokens already in the model state
+        self.sampler = Sampler(req.params, req.prompt_ids)
+        self.stream = OutputStream(tokenizer.decode, req.params, tokenizer.eos_token_ids)
+        self.aborted = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.prompt.size
+
+    def output(self, tokens: list[int], text: str) -> StepOutput:
+        reason = self.stream.finish_reason
+        return StepOutput(
+            request_id=self.req.request_id,
+            token_ids=tokens,
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=int(self.prompt.size),
+            completion_tokens=len(self.stream.token_ids),
+        )
+
+
+class CandidateEngine:
+    """The `Engine` protocol over a raw OpenVINO stateful loop."""
+
+    def __init__(self, model_dir: Path, profile: Profile, tokenizer: ModelTokenizer | None = None) -> None:
+        import openvino as ov
+
+        self.profile = profile
+        self.model_dir = Path(model_dir)
+        self.tokenizer = tokenizer or ModelTokenizer(self.model_dir)
+        core = ov.Core()
+        model = core.read_model(self.model_dir / "openvino_model.xml")
+        self.kernels: list[str] = []
+        for name, (rewrite, default) in _KERNELS.items():
+            if profile.kernels.get(name, default):
+                model = rewrite(model)
+                self.kernels.append(name)
+        self._inputs = {p.get_any_name() for p in model.inputs}
+        vocab = model.output("logits").get_partial_shape()[-1]
+        self.vocab_size = vocab.get_length() if vocab.is_static else read_vocab_size(self.model_dir)
+        self._compiled = core.compile_model(model, profile.engine.device, dict(profile.engine.properties))
+        self._request = self._compiled.create_infer_request()
+        self._chunk = profile.prefill.chunk_tokens
+        self._queue: deque[EngineRequest] = deque()
+        self._running: _Running | None = None
+        self._ready: list[StepOutput] = []  # outputs owed to the caller (e.g. queued aborts)
+
+    # -- contract --------------------------------------------------------------------------
+
+    def add(self, req: EngineRequest) -> None:
+        check_request(req, self.profile, self.vocab_size)
+        if self._known(req.request_id):
+            raise ValueError(f"request id {req.request_id!r} is already queued or running")
+        self._queue.append(req)
+
+    def abort(self, request_id: str) -> None:
+        if self._running is not None and self._running.req.request_id == request_id:
+            self._running.aborted = True  # honoured by the next step(), before any compute
+            return
+        for req in self._queue:
+            if req.request_id == request_id:
+                self._queue.remove(req)
+                self._ready.append(
+                    StepOutput(request_id=request_id, finished=True, finish_reason=FinishReason.ABORT,
+                               prompt_tokens=len(req.prompt_ids))
+                )
+                return
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._ready = self._ready, []
+        if self._running is None and self._queue:
+            req = self._queue.popleft()
+            try:
+                self._running = _Running(req, self.tokenizer)
+                self._request.reset_state()
+            except Exception as exc:  # a request-level failure: report it, keep serving
+                log.exception("request %s failed to start", req.request_id)
+                self._running = None
+                outputs.append(StepOutput(request_id=req.request_id, finished=True,
+                                          finish_reason=FinishReason.ERROR, error=str(exc),
+                                          prompt_tokens=len(req.prompt_ids)))
+                return outputs
+        run = self._running
+        if run is None:
+            return outputs
+        try:
+            out = self._advance(run)
+        except Exception as exc:
+            log.exception("request %s failed", run.req.request_id)
+            run.stream.finish(FinishReason.ERROR)
+            out = run.output([], "")
+            out.error = f"{type(exc).__name__}: {exc}"
+        if out is not None:
+            outputs.append(out)
+            if out.finished:
+                self._running = None
+        return outputs
+
+    def has_work(self) -> bool:
+        return bool(self._ready or self._queue or self._running is not None)
+
+    def close(self) -> None:
+        self._queue.clear()
+        self._running = None
+        self._request = None
+        self._compiled = None
+
+    def describe(self) -> dict[str, Any]:
+        """What the compiled model resolved to (reported in the worker's READY identity)."""
+        return {
+            "INFERENCE_PRECISION_HINT": str(self._compiled.get_property("INFERENCE_PRECISION_HINT")),
+            "kernels": list(self.kernels),
+        }
+
+    def op_profile(self) -> dict[str, float]:
+        """Seconds per op type, averaged over every inference of this request object so far
+        (that is how the CPU plugin reports it; needs PERF_COUNT=True in the profile)."""
+        totals: dict[str, float] = {}
+        for info in self._request.profiling_info:
+            totals[info.node_type] = totals.get(info.node_type, 0.0) + info.real_time.total_seconds()
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+    def forced_logits(self, prompt: list[int], forced: list[int]) -> Iterator[np.ndarray]:
+        """Teacher forcing through the candidate's own prefill and decode path (the gate).
+
+        Yields, for each token of `forced`, the logits (float32 copy) the candidate computes for
+        that position having seen `prompt` + the forced tokens before it. Not for serving: it
+        bypasses the queue, so call it only on an idle engine.
+        """
+        if self._running is not None or self._queue:
+            raise RuntimeError("forced_logits needs an idle engine")
+        self._request.reset_state()
+        ids = np.asarray(prompt, dtype=np.int64)
+        fed = 0
+        while fed < ids.size:
+            chunk = ids[fed:fed + self._chunk]
+            logits = self._infer(chunk, fed)
+            fed += chunk.size
+        for i, token in enumerate(forced):
+            yield np.array(logits, dtype=np.float32)
+            if i + 1 < len(forced):
+                logits = self._infer(np.array([token], dtype=np.int64), fed)
+                fed += 1
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _known(self, request_id: str) -> bool:
+        if self._running is not None and self._running.req.request_id == request_id:
+            return True
+        return any(r.request_id == request_id for r in self._queue)
+
+    def _advance(self, run: _Running) -> StepOutput | None:
+        """One prefill chunk or one decode step of `run`; None when there is nothing to report."""
+        if run.aborted:
+            run.stream.finish(FinishReason.ABORT)
+            return run.output([], "")
+        if run.prefilling:
+            start = run.fed
+            ids = run.prompt[start:start + self._chunk]
+            logits = self._infer(ids, start)
+            run.fed += ids.size
+            if run.prefilling:
+                return None  # more chunks to go; nothing to say yet
+        else:
+            last = run.stream.token_ids[-1]
+            logits = self._infer(np.array([last], dtype=np.int64), run.fed)
+            run.fed += 1
+        token = run.sampler.sample(logits)
+        run.sampler.accept(token)
+        text = run.stream.push(token)
+        return run.output([token], text)
+
+    def _infer(self, ids: np.ndarray, past: int) -> np.ndarray:
+        """Feed `ids` after `past` tokens of state; the last position's logits (a view)."""
+        n = int(ids.size)
+        feed: dict[str, np.ndarray] = {
+            "input_ids": ids.reshape(1, n),
+            "attention_mask": np.ones((1, past + n), dtype=np.int64),
+        }
+        if "position_ids" in self._inputs:
+            feed["position_ids"] = np.arange(past, past + n, dtype=np.int64).reshape(1, n)
+        if "beam_idx" in self._inputs:
+            feed["beam_idx"] = np.zeros((1,), dtype=np.int32)
+        self._request.infer(feed)
+        return self._request.get_tensor("logits").data[0, -1]
