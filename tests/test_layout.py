@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,7 +22,21 @@ def _imports(package: str) -> set[str]:
 
 
 def test_gateway_never_imports_openvino() -> None:
-    assert not {"openvino", "openvino_genai", "openvino_tokenizers", "worker"} & _imports("gateway")
+    assert not {"openvino", "openvino_genai", "openvino_tokenizers", "numpy"} & _imports("gateway")
+
+
+def test_front_end_modules_load_no_openvino() -> None:
+    """The gateway embeds the supervisor; importing them (and the wire contract) must not
+    pull OpenVINO into the front-end process, even transitively."""
+    modules = ["gateway", "ipc", "worker.supervisor", "worker.control", "worker.settings", "worker.errors",
+               "worker.engine.types"]
+    modules += [f"gateway.{p.stem}" for p in (REPO / "gateway").glob("*.py") if p.stem != "__init__"]
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('openvino', 'openvino_genai', 'openvino_tokenizers', 'torch')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_no_pickle_on_the_wire() -> None:
