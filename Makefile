@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@rm -f $(VENV)/.stamp-*
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade "pip==25.3"
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[build,test]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[build,gate,test]'
 	@# optimum-intel pulls a CUDA torchvision that breaks model import beside torch+cpu (FACTS.md).
 	$(BIN)/pip uninstall --quiet --yes torchvision 2>/dev/null || true
 	touch $@

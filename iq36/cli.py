@@ -118,10 +118,31 @@ def _cmd_profile_show(args: argparse.Namespace) -> None:
 # --- serve -----------------------------------------------------------------------------------
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from worker.main import run_standalone
+    from gateway.auth import AuthConfigError
+    from gateway.server import BindError
+    from iq36.profile import ProfileError
+    from worker.control import ControlError
+    from worker.main import options_from_args, run_service
 
     model_dir = resolve_model(args.model)
-    raise SystemExit(run_standalone(model_dir, args))
+    try:
+        raise SystemExit(run_service(options_from_args(model_dir, args)))
+    except (ProfileError, ControlError, ValueError, AuthConfigError, BindError) as exc:
+        _fail(str(exc))
+
+
+# --- ctl -------------------------------------------------------------------------------------
+
+def _cmd_ctl(args: argparse.Namespace) -> None:
+    from worker.control import ControlError, request
+    from worker.settings import ServiceSettings
+
+    path = args.socket or ServiceSettings.build(state_dir=args.state_dir).control_socket_path
+    try:
+        result = request(path, args.action, timeout=args.timeout)
+    except ControlError as exc:
+        _fail(str(exc))
+    print(json.dumps(result, indent=2))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_profile_show)
 
     p = sub.add_parser("serve", help="start the service",
-                       description="Start the iq36 service on a model.")
+                       description="Start the iq36 service on a model: a supervisor in this process "
+                       "runs the worker (restarting it on crash, hang or memory-guard trip), the OpenAI-compatible "
+                       "HTTP gateway serves HOST:PORT, and `iq36 ctl` is answered on the control socket. Prints one "
+                       "JSON line per event (http_listening, worker_ready, worker_lost, worker_restarting, "
+                       "worker_failed). SIGTERM drains: new requests get 503, running ones get IQ36_DRAIN_GRACE_S "
+                       "to finish. Service settings come from IQ36_* environment variables (see worker/settings.py).")
     p.add_argument("--model", default="dev-tiny", metavar="NAME_OR_DIR",
                    help="dev model name or model directory (default: dev-tiny)")
     p.add_argument("--engine", choices=["candidate", "stock"], default="candidate")
@@ -192,12 +218,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse to start unless the profile hash equals this (pin from a gate report)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--state-dir", type=Path, default=Path("~/.local/state/iq36").expanduser(),
-                   help="durable state (default: ~/.local/state/iq36)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="durable state and the control socket (default: ~/.local/state/iq36)")
     p.add_argument("--control-socket", type=Path, metavar="PATH",
                    help="ops control socket (default: STATE_DIR/control.sock)")
-    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="bearer keys, one per line")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE",
+                   help="bearer keys, one per line (# comments); /health/* stays open, all else needs a key")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve on a non-loopback host without an API key (something in front authenticates)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id clients send (default: the dev model name or the model dir's name)")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("ctl", help="operate a running service over its control socket",
+                       description="Talk to a running `iq36 serve` over its control socket (local, "
+                       "mode 0600). status: worker pid/generation/state/RSS, restarts by reason, model "
+                       "fingerprint, queue depth (JSON); restart-worker: replace the worker (a running "
+                       "request ends with worker_lost); drain: stop admitting requests; resume: admit again.")
+    p.add_argument("action", choices=["status", "restart-worker", "drain", "resume"], metavar="ACTION",
+                   help="status | restart-worker | drain | resume")
+    p.add_argument("--socket", type=Path, metavar="PATH",
+                   help="control socket (default: STATE_DIR/control.sock)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="the service's state dir (default: ~/.local/state/iq36)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds to wait for an answer")
+    p.set_defaults(func=_cmd_ctl)
+
+    from iq36.gate.cli import add_parsers as add_gate_parsers
+
+    add_gate_parsers(sub)
     return parser
 
 

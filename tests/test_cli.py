@@ -7,12 +7,15 @@ import pytest
 from tests.helpers import run_cli
 
 HELP_CASES = [
-    ((), ["model", "profile", "serve"]),
+    ((), ["model", "profile", "serve", "ctl", "gate", "bench"]),
     (("model",), ["build", "verify", "lock", "list", "path"]),
     (("model", "build"), ["dev-tiny", "dev-bench", "dev-bench-256", "--out", "IQ36_HOME"]),
     (("model", "verify"), ["--identity", "manifest.json"]),
     (("model", "lock"), ["manifest.json", "DIR"]),
     (("profile", "show"), ["NAME_OR_PATH"]),
+    (("gate",), ["--model", "--baseline", "--buckets", "--classes", "--blocks", "--output-tokens", "--out",
+                 "--smoke", "--resume", "stock-tuned", "stock-default"]),
+    (("bench",), ["--engine", "--lengths", "--output-tokens"]),
     (("serve",), ["--model", "--engine", "--port", "--state-dir", "--control-socket", "--api-key-file",
                   "--identity"]),
 ]
@@ -34,6 +37,9 @@ def test_help_names_every_option(args: tuple[str, ...], expected: list[str]) -> 
         (("serve", "--port", "eighty"), "invalid int value"),
         (("frobnicate",), "invalid choice"),
         (("model",), "required"),
+        (("gate", "--out", "x", "--buckets", "12a"), "comma-separated integers"),
+        (("gate", "--out", "x", "--classes", "lorem"), "prompt classes are"),
+        (("gate",), "required"),
     ],
 )
 def test_wrong_arguments_give_one_line_error(args: tuple[str, ...], needle: str) -> None:

@@ -35,6 +35,26 @@ class ReferenceRunner:
         self.request.infer(feed)
         return self.request.get_tensor("logits").data[0]  # [n, vocab]
 
+    def forced_logits(self, prompt: list[int], forced: list[int], prefill_chunk: int = 4096):
+        """Logits predicting each of `forced` after `prompt` (teacher forcing), one row at a time.
+
+        Yields len(forced) float32 arrays: row i is the distribution the model gives for
+        position len(prompt) + i, having seen prompt + forced[:i]. The prompt goes in calls of
+        at most `prefill_chunk` tokens: the IR computes logits for every position it is fed,
+        so one call on a long prompt would hold len(prompt) x vocab floats.
+        """
+        self.request.reset_state()
+        past = 0
+        for start in range(0, len(prompt), prefill_chunk):
+            chunk = np.asarray(prompt[start:start + prefill_chunk])
+            logits = self._feed(chunk, past)[-1]
+            past += chunk.size
+        for i, token in enumerate(forced):
+            yield np.array(logits, dtype=np.float32)
+            if i + 1 < len(forced):
+                logits = self._feed(np.asarray([token]), past)[-1]
+                past += 1
+
     def greedy(self, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
         """Greedy tokens and the logits each was chosen from ([new_tokens, vocab], float32)."""
         self.request.reset_state()

@@ -18,7 +18,9 @@ RESAMPLES = 20_000
 CONFIDENCE = 0.95
 
 
-def block_ratio(candidate: Sequence[float], baseline: Sequence[float], higher_is_better: bool = True) -> float:
+def block_ratio(
+    candidate: Sequence[float], baseline: Sequence[float], higher_is_better: bool = True
+) -> float:
     """Ratio of medians for one block; for times (lower is better) it is baseline/candidate."""
     c, b = float(np.median(candidate)), float(np.median(baseline))
     if c <= 0 or b <= 0:

@@ -1,0 +1,304 @@
+"""The gate's outputs: `report.json` (SPEC §5 structure), `report.md` for people, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from iq36.gate.stats import block_ratio, bootstrap_median, jitter
+
+JITTER_MAX = 1.25
+CLIFF_MIN = 0.90  # near-boundary prefill rate / exact bucket's rate
+
+
+def _final_runs(records: list[dict[str, Any]], sessions: list[Any]) -> list[dict[str, Any]]:
+    """Case records of completed sessions; of a session that reran, only its last full run."""
+    done = {r["session_done"] for r in records if "session_done" in r}
+    by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if "session" in r:
+            by_session[r["session"]].append(r)
+    out = []
+    for s in sessions:
+        if s.key in done:
+            out.extend(by_session[s.key][-len(s.cases):])
+    return out
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+
+    flags: list[str] = []
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx")))
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "isa": flags, "logical_cpus": psutil.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30), "platform": platform.platform()}
+
+
+def _identities(opts: Any) -> dict[str, Any]:
+    from iq36.gate.session import engine_profile
+    from iq36.profile import load
+    from worker.identity import runtime_identity
+
+    base = load(opts.profile)
+    manifest = json.loads((Path(opts.model_dir) / "manifest.json").read_text())
+    return {
+        "model": {"dir": opts.model_dir, "fingerprint": manifest["fingerprint"]},
+        "runtime": runtime_identity(),
+        "profiles": {
+            "candidate": {"name": base.name, "hash": base.hash},
+            "baseline": msgspec.to_builtins(engine_profile(base, opts.baseline).engine),
+        },
+        "machine": machine(),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.median(vals)) if vals else None
+
+
+def _case(opts: Any, bucket: int, cls: str, runs: list[dict[str, Any]], corr: dict[str, Any] | None,
+          near: list[dict[str, Any]]) -> dict[str, Any]:
+    blocks: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: {"cand": [], "base": []})
+    for r in runs:
+        blocks[r["block"]]["cand" if r["engine"] == "candidate" else "base"].append(r)
+    full = [b for b in blocks.values() if b["cand"] and b["base"]]
+    ratios: dict[str, list[float]] = {"prefill": [], "decode": [], "total": []}
+    for b in full:
+        ratios["prefill"].append(block_ratio([r["prefill_tok_s"] for r in b["cand"]],
+                                             [r["prefill_tok_s"] for r in b["base"]]))
+        ratios["decode"].append(block_ratio([r["decode_tok_s"] for r in b["cand"]],
+                                            [r["decode_tok_s"] for r in b["base"]]))
+        ratios["total"].append(block_ratio([r["total_s"] for r in b["cand"]],
+                                           [r["total_s"] for r in b["base"]], higher_is_better=False))
+    bounds = {k: bootstrap_median(v, seed=opts.seed).as_dict() for k, v in ratios.items() if v}
+    cand = [r for r in runs if r["engine"] == "candidate"]
+    base = [r for r in runs if r["engine"] != "candidate"]
+    jit = [jitter(r["tpot_s"]) for r in cand]
+    jit = [j for j in jit if np.isfinite(j)]
+
+    def raw(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"prefill_tok_s": _median([r["prefill_tok_s"] for r in rs]),
+                "decode_tok_s": _median([r["decode_tok_s"] for r in rs]),
+                "ttft_s": _median([r["ttft_s"] for r in rs]),
+                "total_s": _median([r["total_s"] for r in rs]),
+                "runs": len(rs), "cached_tokens": sum(r["cached_tokens"] for r in rs)}
+
+    exact_rate = {"candidate": raw(cand)["prefill_tok_s"], "baseline": raw(base)["prefill_tok_s"]}
+    near_out = []
+    for length in sorted({r["length"] for r in near}):
+        entry: dict[str, Any] = {"length": length}
+        for role, rs in (("candidate", [r for r in near if r["engine"] == "candidate"]),
+                         ("baseline", [r for r in near if r["engine"] != "candidate"])):
+            rate = _median([r["prefill_tok_s"] for r in rs if r["length"] == length])
+            entry[f"{role}_prefill_tok_s"] = rate
+            ref = exact_rate[role]
+            entry[f"{role}_vs_bucket"] = rate / ref if rate and ref else None
+        entry["cliff"] = entry["candidate_vs_bucket"] is not None and entry["candidate_vs_bucket"] < CLIFF_MIN
+        near_out.append(entry)
+    correctness = None
+    if corr is not None:
+        correctness = {k: corr.get(k) for k in (
+            "greedy_match", "first_divergence", "near_tie_divergences", "top1_agreement", "max_kld",
+            "sentinel_stock", "sentinel_candidate", "passed", "positions", "eps", "exact")}
+    return {
+        "bucket": bucket,
+        "prompt_class": cls,
+        "prompt_tokens": bucket,
+        "baseline": opts.baseline,
+        "prefill_lcb": bounds.get("prefill", {}).get("lcb"),
+        "decode_lcb": bounds.get("decode", {}).get("lcb"),
+        "total_lcb": bounds.get("total", {}).get("lcb"),
+        "bounds": bounds,
+        "block_ratios": ratios,
+        "raw": {"candidate": raw(cand), "baseline": raw(base)},
+        "jitter": {"max": max(jit) if jit else None, "median": _median(jit), "limit": JITTER_MAX,
+                   "ok": bool(jit) and max(jit) <= JITTER_MAX},
+        "peak_rss_bytes": max((r["peak_rss_bytes"] for r in cand), default=None),
+        "baseline_peak_rss_bytes": max((r["peak_rss_bytes"] for r in base), default=None),
+        "min_available_bytes": min((r["min_available_bytes"] for r in runs), default=None),
+        "near_boundary": near_out,
+        "correctness": correctness,
+    }
+
+
+def build_report(opts: Any, out: Path, sessions: list[Any]) -> dict[str, Any]:
+    records = _final_runs(_read(out / "runs.jsonl"), sessions)
+    corr = {(r["bucket"], r["prompt_class"]): r for r in _read(out / "correctness.jsonl")}
+    cases = []
+    for bucket in opts.buckets:
+        near = [r for r in records if r["bucket"] == bucket and r["output_tokens"] == 1]
+        for cls in opts.classes:
+            runs = [r for r in records if r["bucket"] == bucket and r["prompt_class"] == cls
+                    and r["length"] == bucket and r["output_tokens"] > 1]
+            cases.append(_case(opts, bucket, cls, runs, corr.get((bucket, cls)), near))
+    buckets = []
+    for bucket in opts.buckets:
+        mine = [c for c in cases if c["bucket"] == bucket]
+        worst = {k: min((c[k] for c in mine if c[k] is not None), default=None)
+                 for k in ("prefill_lcb", "decode_lcb", "total_lcb")}
+        buckets.append({"bucket": bucket, **worst})
+    correctness_ok = all(c["correctness"] is not None and c["correctness"]["passed"] for c in cases)
+    complete = all(c["raw"]["candidate"]["runs"] >= 2 * opts.blocks for c in cases)
+    verdict = "smoke" if opts.smoke else ("claimable" if correctness_ok and complete else "not-claimable")
+    return {
+        "verdict": verdict,
+        "smoke": opts.smoke,
+        "baseline": opts.baseline,
+        "correctness_passed": correctness_ok,
+        "complete": complete,
+        "options": msgspec.to_builtins(opts),
+        "identities": _identities(opts),
+        "buckets": buckets,
+        "cases": cases,
+    }
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    from iq36.gate.run import _read_jsonl
+
+    return _read_jsonl(path)
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    o = report["options"]
+    ident = report["identities"]
+    lines = [
+        "# iq36 gate report",
+        "",
+        f"**Verdict: {report['verdict']}**" + (" — a smoke run: it checks the machinery and claims nothing."
+                                               if report["smoke"] else ""),
+        "",
+        f"- model: `{ident['model']['dir']}` ({ident['model']['fingerprint'][:19]}…)",
+        f"- candidate profile: `{ident['profiles']['candidate']['name']}` "
+        f"({ident['profiles']['candidate']['hash'][:19]}…); baseline: `{report['baseline']}` = "
+        f"`{json.dumps(ident['profiles']['baseline'])}`",
+        f"- runtime: openvino {ident['runtime']['openvino']}",
+        f"- machine: {ident['machine']['cpu']}, {ident['machine']['logical_cpus']} CPUs, "
+        f"ISA {' '.join(ident['machine']['isa']) or '—'}",
+        f"- {o['blocks']} ABBA blocks, {o['output_tokens']} output tokens, correctness on "
+        f"{o['correctness_tokens']} tokens; ratios are candidate/baseline (> 1 = faster), "
+        "figures are one-sided 95% lower confidence bounds of the median block ratio.",
+        "",
+        "## Per bucket (worst prompt class)",
+        "",
+        "| bucket | prefill LCB | decode LCB | total LCB |",
+        "|---|---|---|---|",
+    ]
+    for b in report["buckets"]:
+        lines.append(f"| {b['bucket']} | {_fmt(b['prefill_lcb'])} | {_fmt(b['decode_lcb'])} | "
+                     f"{_fmt(b['total_lcb'])} |")
+    lines += ["", "## Cases", "",
+              "| bucket | class | prefill LCB | decode LCB | total LCB | cand prefill tok/s | base prefill tok/s "
+              "| cand decode tok/s | base decode tok/s | jitter max | peak RSS MB | greedy | top-1 | max KLD "
+              "| sentinel s/c |",
+              "|" + "---|" * 15]
+    for c in report["cases"]:
+        rc, rb, cor = c["raw"]["candidate"], c["raw"]["baseline"], c["correctness"] or {}
+        lines.append(
+            f"| {c['bucket']} | {c['prompt_class']} | {_fmt(c['prefill_lcb'])} | {_fmt(c['decode_lcb'])} | "
+            f"{_fmt(c['total_lcb'])} | {_fmt(rc['prefill_tok_s'], '.1f')} | {_fmt(rb['prefill_tok_s'], '.1f')} | "
+            f"{_fmt(rc['decode_tok_s'], '.1f')} | {_fmt(rb['decode_tok_s'], '.1f')} | "
+            f"{_fmt(c['jitter']['max'])} | {_fmt((c['peak_rss_bytes'] or 0) / 2**20, '.0f')} | "
+            f"{cor.get('greedy_match', '—')} | {_fmt(cor.get('top1_agreement'), '.3f')} | "
+            f"{_fmt(cor.get('max_kld'), '.2e')} | {cor.get('sentinel_stock')}/{cor.get('sentinel_candidate')} |")
+    lines += ["", "## Near-boundary prefill (rate / exact bucket's rate)", "",
+              "| bucket | length | candidate | baseline |", "|---|---|---|---|"]
+    seen = set()
+    for c in report["cases"]:
+        for n in c["near_boundary"]:
+            if (c["bucket"], n["length"]) in seen:
+                continue
+            seen.add((c["bucket"], n["length"]))
+            lines.append(f"| {c['bucket']} | {n['length']} | {_fmt(n['candidate_vs_bucket'])} | "
+                         f"{_fmt(n['baseline_vs_bucket'])} |")
+    divs = [(c, d) for c in report["cases"] for d in (c["correctness"] or {}).get("near_tie_divergences") or []]
+    lines += ["", f"## Near-tie divergences ({len(divs)})", ""]
+    for c, d in divs[:50]:
+        lines.append(f"- {c['bucket']}/{c['prompt_class']} position {d['position']}: stock {d['stock_token']}, "
+                     f"candidate {d['candidate_token']}, margin {d['margin']:.4f}")
+    lines += ["", "Plots: `ratios.png`, `tpot.png`, `memory.png`.", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
+    for ax, metric in zip(axes, ("prefill", "decode", "total"), strict=True):
+        for i, cls in enumerate(report["options"]["classes"]):
+            cs = [c for c in report["cases"] if c["prompt_class"] == cls and metric in c["bounds"]]
+            x = np.arange(len(cs)) + (i - 1) * 0.2
+            med = [c["bounds"][metric]["median"] for c in cs]
+            lo = [c["bounds"][metric]["median"] - c["bounds"][metric]["lcb"] for c in cs]
+            hi = [c["bounds"][metric]["ucb"] - c["bounds"][metric]["median"] for c in cs]
+            ax.errorbar(x, med, yerr=[lo, hi], fmt="o", capsize=3, label=cls)
+            ax.set_xticks(np.arange(len(cs)), [str(c["bucket"]) for c in cs])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{metric}: candidate / {report['baseline']}")
+        ax.set_xlabel("bucket (tokens)")
+    axes[0].set_ylabel("ratio (median, 95% interval)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "ratios.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    data, labels = [], []
+    for engine in sorted({r["engine"] for r in records}):
+        tp = [t * 1000 for r in records if r["engine"] == engine for t in r["tpot_s"][16:]]
+        if tp:
+            data.append(tp)
+            labels.append(engine)
+    if data:
+        ax.boxplot(data, showfliers=True)
+        ax.set_xticks(range(1, len(labels) + 1), labels)
+    ax.set_ylabel("decode time per token (ms)")
+    ax.set_title("TPOT distribution (first 16 tokens dropped)")
+    fig.tight_layout()
+    fig.savefig(out / "tpot.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for engine in sorted({r["engine"] for r in records}):
+        pts = sorted(p for r in records if r["engine"] == engine for p in r.get("memory", []))
+        if pts:
+            t0 = pts[0][0]
+            ax.plot([p[0] - t0 for p in pts], [p[1] / 2**30 for p in pts], ".", ms=2, label=f"{engine} RSS")
+    ax.set_xlabel("seconds since the engine's first sample")
+    ax.set_ylabel("GiB")
+    ax.set_title("memory through the runs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(opts: Any, out: Path, sessions: list[Any]) -> dict[str, Any]:
+    report = build_report(opts, out, sessions)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+    plot(report, out, _final_runs(_read(out / "runs.jsonl"), sessions))
+    return report

@@ -1,0 +1,107 @@
+"""The gate end to end on dev-tiny: a smoke run's outputs, and proof the gate can fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_smoke_gate_writes_all_outputs_and_claims_nothing(tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gate"
+    args = ["gate", "--model", str(tiny_dir), "--smoke", "--buckets", "96", "--blocks", "2",
+            "--output-tokens", "24", "--correctness-tokens", "64", "--out", str(out), "--quiet"]
+    proc = run_cli(*args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "smoke" and report["smoke"] is True
+    assert report["baseline"] == "stock-tuned"
+    assert {"model", "runtime", "profiles", "machine"} <= set(report["identities"])
+    assert [(c["bucket"], c["prompt_class"]) for c in report["cases"]] == [
+        (96, "filler"), (96, "prefill-shape"), (96, "sentinel")]
+    for case in report["cases"]:
+        for key in ("prompt_tokens", "baseline", "prefill_lcb", "decode_lcb", "total_lcb", "jitter",
+                    "peak_rss_bytes", "correctness"):
+            assert key in case, key
+        assert case["raw"]["candidate"]["runs"] == 4 and case["raw"]["baseline"]["runs"] == 4
+        assert case["raw"]["candidate"]["cached_tokens"] == 0
+        cor = case["correctness"]
+        assert cor["greedy_match"] is True and cor["top1_agreement"] >= 0.99 and cor["max_kld"] <= 0.005
+        assert [n["length"] for n in case["near_boundary"]] == [49, 89, 95]
+    assert "smoke run" in (out / "report.md").read_text()
+    for png in ("ratios.png", "tpot.png", "memory.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # a finished gate resumes to the same report without running anything again
+    runs_before = (out / "runs.jsonl").read_text()
+    again = run_cli(*args, "--resume", timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "runs.jsonl").read_text() == runs_before
+    refused = run_cli(*args, timeout=120)
+    assert refused.returncode == 1 and "--resume" in refused.stderr
+    # blocks timed on another machine must not be mixed into this gate
+    machine = json.loads((out / "machine.json").read_text())
+    (out / "machine.json").write_text(json.dumps({**machine, "cpu": "another CPU"}))
+    elsewhere = run_cli(*args, "--resume", timeout=120)
+    assert elsewhere.returncode == 1 and "another machine" in elsewhere.stderr
+
+
+def test_corrupted_candidate_fails_the_correctness_gate(tiny_dir: Path) -> None:
+    """A deliberately wrong rewrite (kernels/perturb.py) must fail; the same case passes without it."""
+    from iq36.gate.correctness import CorrectnessSpec, run_case
+    from iq36.gate.session import Case
+
+    case = Case(bucket=96, prompt_class="filler", length=96, salt="perturb", output_tokens=64)
+    spec = CorrectnessSpec(model_dir=str(tiny_dir), profile="cpu", cases=[case], output_tokens=64)
+    assert run_case(spec, case)["passed"] is True
+    bad = run_case(msgspec.structs.replace(spec, perturb=True), case)
+    assert bad["passed"] is False
+    assert bad["greedy_match"] is False or bad["top1_agreement"] < 0.99 or bad["max_kld"] > 0.005
+
+
+def test_a_failed_correctness_case_makes_a_complete_gate_not_claimable(tmp_path: Path, tiny_dir: Path) -> None:
+    """The verdict logic on a complete 8-block gate whose only correctness case failed."""
+    from iq36.gate.report import build_report
+    from iq36.gate.run import GateOptions, plan
+
+    opts = GateOptions(model_dir=str(tiny_dir), buckets=(64,), classes=("filler",), blocks=8,
+                       output_tokens=4, near_boundary=False)
+    sessions = plan(opts)
+    with (tmp_path / "runs.jsonl").open("w") as fh:
+        for s in sessions:
+            for case in s.cases:
+                rate = 100.0 if s.engine == "stock" else 120.0
+                fh.write(json.dumps({"session": s.key, "block": s.block, "slot": s.slot, **msgspec.to_builtins(case),
+                                     "engine": s.engine_config, "prompt_tokens": 64, "output_tokens": 4,
+                                     "cached_tokens": 0, "ttft_s": 64 / rate, "prefill_tok_s": rate,
+                                     "decode_tok_s": rate / 10, "total_s": 1.0, "tpot_s": [0.01] * 3,
+                                     "sentinel": None, "peak_rss_bytes": 1, "min_available_bytes": 1,
+                                     "memory": [], "load_s": 0.1}) + "\n")
+            fh.write(json.dumps({"session_done": s.key}) + "\n")
+    good = {"bucket": 64, "prompt_class": "filler", "greedy_match": True, "top1_agreement": 1.0,
+            "max_kld": 0.0, "passed": True, "first_divergence": None, "near_tie_divergences": []}
+    (tmp_path / "correctness.jsonl").write_text(json.dumps(good) + "\n")
+    report = build_report(opts, tmp_path, sessions)
+    assert report["complete"] and report["verdict"] == "claimable"
+    assert report["cases"][0]["prefill_lcb"] == pytest.approx(1.2)
+    (tmp_path / "correctness.jsonl").write_text(json.dumps({**good, "greedy_match": False, "passed": False}) + "\n")
+    assert build_report(opts, tmp_path, sessions)["verdict"] == "not-claimable"
+
+
+def test_bench_reports_rates_and_op_tables(tiny_dir: Path) -> None:
+    proc = run_cli("bench", "--model", str(tiny_dir), "--lengths", "64", "--runs", "1", "--output-tokens", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["length"] == 64 and row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+    ops = run_cli("bench", "--model", str(tiny_dir), "--lengths", "64", "--ops")
+    assert ops.returncode == 0, ops.stderr[-2000:]
+    tables = [json.loads(line) for line in ops.stdout.strip().splitlines()]
+    assert [t["phase"] for t in tables] == ["prefill", "decode-step"]
+    for t in tables:
+        assert t["total_ms"] > 0 and "GatherMatmulCompressed" in t["share"]
+    assert tables[1]["total_ms"] < tables[0]["total_ms"]  # one token costs less than 64
