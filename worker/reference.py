@@ -12,6 +12,20 @@ from typing import Any
 import numpy as np
 
 
+def stateful_feed(ids: np.ndarray, past: int, input_names: set[str]) -> dict[str, np.ndarray]:
+    """Inputs of an optimum-intel stateful IR for `ids` fed after `past` tokens of state."""
+    n = int(ids.size)
+    feed: dict[str, np.ndarray] = {
+        "input_ids": ids.reshape(1, n).astype(np.int64, copy=False),
+        "attention_mask": np.ones((1, past + n), dtype=np.int64),
+    }
+    if "position_ids" in input_names:
+        feed["position_ids"] = np.arange(past, past + n, dtype=np.int64).reshape(1, n)
+    if "beam_idx" in input_names:
+        feed["beam_idx"] = np.zeros((1,), dtype=np.int32)
+    return feed
+
+
 class ReferenceRunner:
     def __init__(self, model_dir: Path, device: str = "CPU", properties: dict[str, Any] | None = None):
         import openvino as ov
@@ -23,16 +37,7 @@ class ReferenceRunner:
         self._inputs = {p.get_any_name() for p in self.model.inputs}
 
     def _feed(self, ids: np.ndarray, past: int) -> np.ndarray:
-        n = ids.shape[-1]
-        feed: dict[str, np.ndarray] = {
-            "input_ids": ids.reshape(1, n).astype(np.int64),
-            "attention_mask": np.ones((1, past + n), dtype=np.int64),
-        }
-        if "position_ids" in self._inputs:
-            feed["position_ids"] = np.arange(past, past + n, dtype=np.int64).reshape(1, n)
-        if "beam_idx" in self._inputs:
-            feed["beam_idx"] = np.zeros((1,), dtype=np.int32)
-        self.request.infer(feed)
+        self.request.infer(stateful_feed(ids, past, self._inputs))
         return self.request.get_tensor("logits").data[0]  # [n, vocab]
 
     def forced_logits(self, prompt: list[int], forced: list[int], prefill_chunk: int = 4096):

@@ -21,6 +21,7 @@ from iq36.profile import Profile
 from worker.detok import OutputStream
 from worker.engine import check_request
 from worker.engine.types import EngineRequest, FinishReason, StepOutput
+from worker.reference import stateful_feed
 from worker.sampling import Sampler
 from worker.tokenizer import ModelTokenizer, read_vocab_size
 
@@ -228,14 +229,5 @@ class CandidateEngine:
 
     def _infer(self, ids: np.ndarray, past: int) -> np.ndarray:
         """Feed `ids` after `past` tokens of state; the last position's logits (a view)."""
-        n = int(ids.size)
-        feed: dict[str, np.ndarray] = {
-            "input_ids": ids.reshape(1, n),
-            "attention_mask": np.ones((1, past + n), dtype=np.int64),
-        }
-        if "position_ids" in self._inputs:
-            feed["position_ids"] = np.arange(past, past + n, dtype=np.int64).reshape(1, n)
-        if "beam_idx" in self._inputs:
-            feed["beam_idx"] = np.zeros((1,), dtype=np.int32)
-        self._request.infer(feed)
+        self._request.infer(stateful_feed(ids, past, self._inputs))
         return self._request.get_tensor("logits").data[0, -1]
