@@ -1,4 +1,4 @@
-"""One encoder and one typed decoder per direction (msgpack; never pickle).
+"""One encoder and one typed decoder per direction (msgpack only; no Python-object serialisation).
 
 A frame that does not decode raises `ProtocolError` naming the direction and what was wrong;
 a `Ready` frame from a peer speaking another contract version raises `ContractMismatch`, also
