@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from worker.engine.types import FinishReason, SamplingParams
+from worker.engine.types import FinishReason, SamplingParams, StepOutput
 
 Decode = Callable[[Sequence[int], bool], str]  # (ids, skip_special_tokens) -> text
 
@@ -116,6 +116,20 @@ class OutputStream:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def step_output(self, request_id: str, prompt_tokens: int, tokens: list[int], text: str,
+                    error: str | None = None) -> StepOutput:
+        """The engine contract's output for this step of the request (shared by both engines)."""
+        return StepOutput(
+            request_id=request_id,
+            token_ids=tokens,
+            text=text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(self.token_ids),
+            error=error,
+        )
 
     def push(self, token: int) -> str:
         """Account one generated token; return the text it makes visible. Sets `finish_reason`

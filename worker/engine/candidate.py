@@ -64,16 +64,7 @@ class _Running:
         return self.fed < self.prompt.size
 
     def output(self, tokens: list[int], text: str) -> StepOutput:
-        reason = self.stream.finish_reason
-        return StepOutput(
-            request_id=self.req.request_id,
-            token_ids=tokens,
-            text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            prompt_tokens=int(self.prompt.size),
-            completion_tokens=len(self.stream.token_ids),
-        )
+        return self.stream.step_output(self.req.request_id, int(self.prompt.size), tokens, text)
 
 
 class CandidateEngine:

@@ -91,17 +91,7 @@ class _Job:
         self.tail_text = ""
 
     def output(self, tokens: list[int], text: str, error: str | None = None) -> StepOutput:
-        reason = self.stream.finish_reason
-        return StepOutput(
-            request_id=self.req.request_id,
-            token_ids=tokens,
-            text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            prompt_tokens=len(self.req.prompt_ids),
-            completion_tokens=len(self.stream.token_ids),
-            error=error,
-        )
+        return self.stream.step_output(self.req.request_id, len(self.req.prompt_ids), tokens, text, error)
 
 
 class StockEngine:
