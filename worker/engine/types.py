@@ -37,10 +37,33 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
 
 
+class OutputConstraint(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the output must match, enforced by constrained decoding (a grammar over the logits).
+
+    `kind`: "json_object" (any JSON object), "json_schema" (`schema`, JSON text), or
+    "tool_calls" (the model's `<tool_call>` markup for `tools` — JSON text of OpenAI function
+    tools — whose arguments obey each tool's parameter schema; `tool_name` forces one tool;
+    `parallel` allows more than one call). With `after_reasoning` the constraint starts once the
+    model closes its `<think>` block (the prompt opened it), so the reasoning stays free.
+    """
+
+    kind: str
+    schema: str | None = None
+    tools: str | None = None
+    tool_name: str | None = None
+    parallel: bool = True
+    after_reasoning: bool = False
+
+
 class EngineRequest(msgspec.Struct, frozen=True):
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    # Appended: constrained decoding (None = free text).
+    constraint: OutputConstraint | None = None
+    # Appended: False bypasses prefix-state reuse for this request (it neither reads nor fills
+    # the cache).
+    reuse_prefix: bool = True
 
 
 class StepOutput(msgspec.Struct):
@@ -52,6 +75,9 @@ class StepOutput(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     error: str | None = None
+    # Appended: prompt tokens served from a prefix-state snapshot instead of being prefilled
+    # (set on the request's first output that carries tokens, and kept on later ones).
+    cached_tokens: int = 0
 
 
 class PromptTooLong(ValueError):
