@@ -44,6 +44,7 @@ class Generation:
         self.finished = False
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.finish_reason: FinishReason | None = None
 
     @property
@@ -106,6 +107,7 @@ class Generation:
         now = time.monotonic()
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.token_ids:
             m.generation_tokens.inc(len(out.token_ids))
             if self._last is None:
@@ -123,6 +125,7 @@ class Generation:
             self.finish_reason = out.finish_reason
             m.e2e.labels(self.job.endpoint).observe(now - self._admitted)
             m.prompt_tokens.inc(self.prompt_tokens)
+            m.cached_tokens.inc(self.cached_tokens)
 
     def _release(self) -> None:
         self.finished = True
@@ -153,7 +156,8 @@ class AdmissionQueue:
         if len(self._live) >= 1 + self.settings.max_queue:
             raise APIError("queue_full", f"the queue is full ({self.settings.max_queue} requests waiting behind "
                            "the running one); retry later", retry_after=self.settings.retry_after_s)
-        request = EngineRequest(request_id=uuid.uuid4().hex, prompt_ids=job.prompt_ids, params=job.params)
+        request = EngineRequest(request_id=uuid.uuid4().hex, prompt_ids=job.prompt_ids, params=job.params,
+                                constraint=job.constraint, reuse_prefix=job.reuse_prefix)
         try:
             stream = await self.supervisor.submit(request, job.prompt, ack=True)
         except ServiceError as exc:

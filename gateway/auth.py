@@ -6,6 +6,7 @@ is refused unless the operator explicitly allows it. Keys are never logged.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from pathlib import Path
@@ -50,6 +51,16 @@ def check_bind(host: str, keys: tuple[bytes, ...], allow_unauthenticated: bool) 
                               "--allow-unauthenticated if something in front of iq36 authenticates")
 
 
+def key_id(key: bytes) -> str:
+    """A stable, non-reversible name for a key: what owns a stored response (never the key)."""
+    return hashlib.sha256(b"iq36-key:" + key).hexdigest()[:32]
+
+
+def owner(scope: Scope) -> str:
+    """The key id that authenticated this request ("" when auth is off)."""
+    return str(scope.get("state", {}).get("key_id", ""))
+
+
 def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
     # Compare against every key (no early exit) so timing does not tell which one matched.
     found = False
@@ -70,6 +81,7 @@ class BearerAuthMiddleware:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() == b"bearer" and token.strip() and key_matches(token.strip(), self.keys):
+            scope.setdefault("state", {})["key_id"] = key_id(token.strip())
             await self.app(scope, receive, send)
             return
         error = APIError("invalid_api_key", "missing or invalid API key: send 'Authorization: Bearer <key>'")

@@ -32,6 +32,7 @@ CODES: dict[str, tuple[int, str]] = {
     "invalid_api_key": (401, AUTHENTICATION),
     "model_not_found": (404, NOT_FOUND),
     "not_found": (404, NOT_FOUND),
+    "response_not_found": (404, NOT_FOUND),
     "method_not_allowed": (405, INVALID_REQUEST),
     "request_too_large": (413, INVALID_REQUEST),
     "unsupported_media_type": (415, INVALID_REQUEST),
@@ -43,6 +44,7 @@ CODES: dict[str, tuple[int, str]] = {
     "draining": (503, SERVER),
     "shutting_down": (503, SERVER),
     "request_timeout": (504, SERVER),
+    "response_store_full": (507, SERVER),
 }
 
 

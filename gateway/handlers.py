@@ -21,6 +21,8 @@ from starlette.types import Receive
 
 from gateway import responses, sse
 from gateway.admission import Generation
+from gateway.agentic import OutputPlan
+from gateway.assistant import AssistantTurn
 from gateway.errors import APIError
 from gateway.logging import current, record_error
 from gateway.model import ModelInfo
@@ -103,10 +105,10 @@ async def _generate(request: Request, build: Callable[[bytes, ModelInfo], Job]) 
             first = await _until_disconnect(request, gen, gen.__anext__())
             make = _chat_events if job.endpoint == "chat" else _completion_events
             return sse.response(make(gen, service.model, first), on_close=lambda: _stream_closed(gen))
-        text = await _until_disconnect(request, gen, _collect(gen))
+        outs = await _until_disconnect(request, gen, collect(gen))
     except _ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    return json_response(_whole(gen, text, service.model))
+    return json_response(_whole(gen, outs, service.model))
 
 
 async def _chain(first: StepOutput, gen: Generation) -> AsyncGenerator[StepOutput, None]:
@@ -115,22 +117,28 @@ async def _chain(first: StepOutput, gen: Generation) -> AsyncGenerator[StepOutpu
         yield out
 
 
-async def _collect(gen: Generation) -> str:
-    text: list[str] = []
+async def collect(gen: Generation) -> list[StepOutput]:
+    """Every output of a generation, in order (closed on any exit)."""
+    outs: list[StepOutput] = []
     try:
         async for out in gen:
-            text.append(out.text)
+            outs.append(out)
     finally:
         gen.close()
-    return "".join(text)
+    return outs
 
 
-def _whole(gen: Generation, text: str, model: ModelInfo) -> dict[str, Any]:
-    use = responses.usage(gen.prompt_tokens, gen.completion_tokens)
+def _whole(gen: Generation, outs: list[StepOutput], model: ModelInfo) -> dict[str, Any]:
     _log_done(gen)
     if gen.job.endpoint == "chat":
+        turn = AssistantTurn(gen.job.output or OutputPlan())
+        for out in outs:
+            turn.push(out)
+        use = responses.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, turn.reasoning_tokens)
         return responses.chat_completion(f"chatcmpl-{gen.id}", gen.created, gen.job.model, model.fingerprint,
-                                         text, gen.finish_reason, use)
+                                         turn.message(), turn.finish_reason(gen.finish_reason), use)
+    use = responses.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    text = "".join(out.text for out in outs)
     return responses.completion(f"cmpl-{gen.id}", gen.created, gen.job.model, model.fingerprint, text,
                                 gen.finish_reason, use)
 
@@ -145,18 +153,22 @@ def _log_done(gen: Generation) -> None:
 async def _chat_events(gen: Generation, model: ModelInfo, first: StepOutput) -> AsyncGenerator[bytes, None]:
     id_, job = f"chatcmpl-{gen.id}", gen.job
 
-    def chunk(delta: dict[str, Any] | None, reason: Any = None, use: dict[str, Any] | None = None) -> bytes:
+    def chunk(delta: dict[str, Any] | None, reason: str | None = None, use: dict[str, Any] | None = None) -> bytes:
         return sse.frame(responses.chat_chunk(id_, gen.created, job.model, model.fingerprint, delta, reason, use))
 
+    turn = AssistantTurn(job.output or OutputPlan())
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for out in _chain(first, gen):
-            if out.text:
-                yield chunk({"content": out.text})
+            for ev in turn.push(out):
+                delta = turn.chat_delta(ev)
+                if delta is not None:
+                    yield chunk(delta)
             if out.finished:
-                yield chunk({}, out.finish_reason)
+                yield chunk({}, turn.finish_reason(out.finish_reason))
         if job.include_usage:
-            yield chunk(None, use=responses.usage(gen.prompt_tokens, gen.completion_tokens))
+            yield chunk(None, use=responses.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens,
+                                                  turn.reasoning_tokens))
         _log_done(gen)
         yield sse.DONE
     except APIError as exc:
@@ -179,7 +191,7 @@ async def _completion_events(gen: Generation, model: ModelInfo,
             if out.text or out.finished:
                 yield chunk(out.text, out.finish_reason if out.finished else None)
         if job.include_usage:
-            yield chunk(None, use=responses.usage(gen.prompt_tokens, gen.completion_tokens))
+            yield chunk(None, use=responses.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
         _log_done(gen)
         yield sse.DONE
     except APIError as exc:

@@ -5,7 +5,9 @@ each one is either honoured, accepted as a no-op (it cannot change the output: `
 `metadata`, `service_tier`, `store`, …) or rejected with 400 `unsupported_parameter` naming it.
 Fields no schema declares are 400 `unknown_parameter` (`forbid_unknown_fields`), so a typo like
 `max_token` is never silently ignored. Extensions honoured beyond OpenAI (as vLLM accepts them):
-`top_k`, `min_p`, `repetition_penalty`, `chat_template_kwargs`. Nothing here ever answers 422.
+`top_k`, `min_p`, `repetition_penalty`, `chat_template_kwargs`, and llama-server's `cache_prompt`
+(false bypasses prefix-state reuse). Tools, tool_choice, response_format and reasoning become an
+`OutputPlan` (`gateway.agentic`). Nothing here ever answers 422.
 
 Tokenizing and the chat template belong to the worker (this process holds no OpenVINO): a job
 carries the prompt as text / messages (`ipc.messages.PromptSpec`), or as token ids when a
@@ -15,15 +17,17 @@ completions client sent ids.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any, Literal
 
 import msgspec
 
+from gateway.agentic import OutputPlan, plan, thinking_enabled
 from gateway.errors import APIError, parameter
 from gateway.model import ModelInfo
 from ipc.messages import PromptSpec
-from worker.engine.types import SamplingParams
+from worker.engine.types import OutputConstraint, SamplingParams
 
 _MAX_STOP = 4  # OpenAI's limit on stop sequences
 
@@ -48,6 +52,7 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    cache_prompt: bool | None = None  # llama-server's switch: false bypasses prefix-state reuse
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -87,7 +92,7 @@ class ChatCompletionRequest(_Request, kw_only=True):
     prompt_cache_key: str | None = None  # no-op
     prompt_cache_retention: str | None = None  # no-op
     safety_identifier: str | None = None  # no-op
-    parallel_tool_calls: bool | None = None  # no-op without tools
+    parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     audio: Any = None
     function_call: Any = None
@@ -116,13 +121,19 @@ class CompletionRequest(_Request, kw_only=True):
 class Job:
     """A validated request: what to generate and how to answer."""
 
-    endpoint: Literal["chat", "completions"]
+    endpoint: Literal["chat", "completions", "responses"]
     model: str
     params: SamplingParams
     prompt: PromptSpec | None  # text / messages for the worker to tokenize
     prompt_ids: tuple[int, ...]  # used when `prompt` is None
     stream: bool
     include_usage: bool
+    output: OutputPlan | None = None  # None: raw text (completions); else how to parse and constrain it
+    reuse_prefix: bool = True
+
+    @property
+    def constraint(self) -> OutputConstraint | None:
+        return None if self.output is None else self.output.constraint
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -226,6 +237,28 @@ def _stream_flags(req: _Request) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def _tool_call_dict(where: str, call: Any) -> dict[str, Any]:
+    """An assistant message's tool call, with its JSON `arguments` parsed for the chat template
+    (it renders each argument as a `<parameter=…>` block)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError("invalid_request", f"'{where}' must be a function call with a name", param=where)
+    args: Any = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except ValueError:
+            raise APIError("invalid_request", f"'{where}.function.arguments' is not valid JSON",
+                           param=f"{where}.function.arguments") from None
+    if not isinstance(args, dict):
+        raise APIError("invalid_request", f"'{where}.function.arguments' must be a JSON object",
+                       param=f"{where}.function.arguments")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
 def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     _reject_if(m.audio is not None, f"messages[{i}].audio")
     _reject_if(m.function_call is not None, f"messages[{i}].function_call")
@@ -247,10 +280,17 @@ def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     else:
         content = m.content
     out: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
-    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+    for key in ("name", "tool_call_id", "reasoning_content"):
         value = getattr(m, key)
         if value is not None:
             out[key] = value
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise APIError("invalid_request", "only assistant messages carry 'tool_calls'",
+                           param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = [_tool_call_dict(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m.tool_calls)]
+    if m.role == "tool" and not m.tool_call_id:
+        raise APIError("invalid_request", "a tool message needs 'tool_call_id'", param=f"messages[{i}].tool_call_id")
     return out
 
 
@@ -258,26 +298,32 @@ def chat_job(body: bytes, model: ModelInfo) -> Job:
     req: ChatCompletionRequest = decode(body, ChatCompletionRequest)
     if not req.messages:
         raise APIError("invalid_request", "'messages' must hold at least one message", param="messages")
-    _reject_if(bool(req.tools), "tools", " yet (tools arrive with the agentic protocol)")
-    _reject_if(req.tool_choice is not None and req.tool_choice != "none", "tool_choice")
-    _reject_if(req.functions is not None, "functions")
-    _reject_if(req.function_call is not None, "function_call")
+    _reject_if(req.functions is not None, "functions", " (deprecated: use 'tools')")
+    _reject_if(req.function_call is not None, "function_call", " (deprecated: use 'tool_choice')")
     _reject_if(req.audio is not None, "audio")
     _reject_if(req.modalities is not None and req.modalities != ["text"], "modalities")
     _reject_if(req.prediction is not None, "prediction")
-    _reject_if(req.reasoning_effort is not None, "reasoning_effort")
+    if req.reasoning_effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
+        raise APIError("invalid_request", f"unknown reasoning_effort '{req.reasoning_effort}'",
+                       param="reasoning_effort")
     _reject_if(req.verbosity is not None, "verbosity")
     _reject_if(req.web_search_options is not None, "web_search_options")
-    _reject_if(req.response_format is not None and req.response_format.get("type") != "text", "response_format",
-               " yet (structured outputs arrive with the agentic protocol)")
     _reject_if(bool(req.logprobs), "logprobs", " yet")
     _reject_if(bool(req.top_logprobs), "top_logprobs", " yet")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling(req, max_tokens, model)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     stream, include_usage = _stream_flags(req)
-    prompt = PromptSpec(messages=messages, template_kwargs=dict(req.chat_template_kwargs or {}))
-    return Job("chat", req.model, params, prompt, (), stream, include_usage)
+    kwargs = dict(req.chat_template_kwargs or {})
+    thinking = thinking_enabled(kwargs, req.reasoning_effort)
+    kwargs["enable_thinking"] = thinking
+    output = plan(tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                  response_format=req.response_format, thinking=thinking)
+    if output.template_tools:
+        kwargs["tools"] = output.template_tools
+    prompt = PromptSpec(messages=messages, template_kwargs=kwargs)
+    return Job("chat", req.model, params, prompt, (), stream, include_usage, output=output,
+               reuse_prefix=req.cache_prompt is not False)
 
 
 def completion_job(body: bytes, model: ModelInfo) -> Job:
@@ -289,7 +335,8 @@ def completion_job(body: bytes, model: ModelInfo) -> Job:
     params = _sampling(req, req.max_tokens, model)
     prompt, ids = _completion_prompt(req.prompt)
     stream, include_usage = _stream_flags(req)
-    return Job("completions", req.model, params, prompt, ids, stream, include_usage)
+    return Job("completions", req.model, params, prompt, ids, stream, include_usage,
+               reuse_prefix=req.cache_prompt is not False)
 
 
 def _is_ids(value: Any) -> bool:

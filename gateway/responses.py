@@ -14,35 +14,38 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else _FINISH.get(reason, "stop")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """Chat/completions usage; `cached_tokens` = prompt tokens restored from a prefix snapshot."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        # No prefix-state reuse yet: nothing is served from a cache.
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def _envelope(obj: str, id_: str, created: int, model: str, fingerprint: str | None) -> dict[str, Any]:
     return {"id": id_, "object": obj, "created": created, "model": model, "system_fingerprint": fingerprint}
 
 
-def chat_completion(id_: str, created: int, model: str, fingerprint: str | None, text: str,
-                    reason: FinishReason | None, use: dict[str, Any]) -> dict[str, Any]:
+def chat_completion(id_: str, created: int, model: str, fingerprint: str | None, message: dict[str, Any],
+                    reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
     return {
         **_envelope("chat.completion", id_, created, model, fingerprint),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": finish_reason(reason)}],
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
         "usage": use,
     }
 
 
 def chat_chunk(id_: str, created: int, model: str, fingerprint: str | None, delta: dict[str, Any] | None,
-               reason: FinishReason | None = None, use: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A content/role delta, the final finish_reason chunk, or (delta None) the usage chunk."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish_reason(reason)}]
+               reason: str | None = None, use: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A role/content/reasoning/tool-call delta, the final finish_reason chunk, or (delta None)
+    the usage chunk."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
     out = {**_envelope("chat.completion.chunk", id_, created, model, fingerprint), "choices": choices}
     if use is not None:
         out["usage"] = use

@@ -110,3 +110,16 @@ class GatewayServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
         self.serve.__exit__(*exc)
+
+
+def delta_text(chunk: Any) -> str:
+    """What a chat.completion.chunk says: content or reasoning (the dev model thinks by default)."""
+    if not chunk.choices:
+        return ""
+    delta = chunk.choices[0].delta
+    return str(delta.content or (delta.model_extra or {}).get("reasoning_content") or "")
+
+
+def message_text(message: Any) -> str:
+    """What a whole chat message says: content or reasoning."""
+    return str(message.content or (message.model_extra or {}).get("reasoning_content") or "")

@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway_server import MODEL, GatewayServer, write_profile
+from tests.gateway_server import MODEL, GatewayServer, delta_text, write_profile
 
 LONG = 4096  # tokens: ~100 s of decoding; a test that waited for it would time out
 CHAT = [{"role": "user", "content": "Tell me a long story."}]
@@ -52,7 +52,7 @@ def test_closing_a_stream_aborts_the_generation(server: GatewayServer) -> None:
                                                 temperature=0)  # type: ignore[arg-type]
     received = 0
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        if delta_text(chunk):
             received += 1
             if received == 3:
                 break

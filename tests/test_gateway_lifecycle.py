@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from tests.gateway_server import MODEL, GatewayServer, free_port, write_profile
+from tests.gateway_server import MODEL, GatewayServer, delta_text, free_port, write_profile
 from tests.helpers import run_cli
 
 LONG = 4096
@@ -31,7 +31,7 @@ def workdir() -> Iterator[Path]:
 def _read_content(stream: openai.Stream, n: int) -> None:  # type: ignore[type-arg]
     got = 0
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        if delta_text(chunk):
             got += 1
             if got == n:
                 return

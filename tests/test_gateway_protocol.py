@@ -82,7 +82,8 @@ def test_completion_prompt_forms(tmp_path: Path, prompt: Any, text: str | None, 
     ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_request", "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "unsupported_content_type", "messages[0].content[0]"),
-    ({"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
+    ({"tool_choice": "required"}, "invalid_request", "tool_choice"),  # no tools to call
+    ({"reasoning_effort": "huge"}, "invalid_request", "reasoning_effort"),
 ])
 def test_bad_chat_requests(tmp_path: Path, fields: dict[str, Any], code: str, param: str) -> None:
     err = _error(lambda: _chat(_model(tmp_path), **fields))
