@@ -1,9 +1,10 @@
 """Engine profiles: typed, validated TOML with a hash of what changes numerics or speed.
 
 A profile names the device, the OpenVINO properties, prefill chunking, which kernels apply,
-limits and memory-guard thresholds. Only the `engine`, `prefill` and `kernels` tables enter
-the profile hash (SPEC §2): queue sizes, limits and guard thresholds are service settings and
-do not change what the model computes.
+limits, memory-guard thresholds, the prefix-state cache's bounds and the Responses store's
+bounds. Only the `engine`, `prefill` and `kernels` tables enter the profile hash (SPEC §2):
+queue sizes, limits, guard thresholds and cache/store bounds are service settings and do not
+change what the model computes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ class MemoryGuardSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     min_available_bytes: int = 0
 
 
+class PrefixCacheSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Bounds of the candidate engine's prefix-state snapshots (worker/prefix_cache.py)."""
+
+    enabled: bool = True
+    max_bytes: int = 2 * 1024**3
+    max_entries: int = 8
+    idle_s: float = 600.0
+
+
+class ResponsesSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Bounds of the Responses API store (stored responses, SPEC §4)."""
+
+    max_entries: int = 10000
+    max_bytes: int = 256 * 1024**2
+    ttl_s: float = 30 * 24 * 3600.0
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     description: str = ""
@@ -49,6 +67,8 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     kernels: dict[str, bool] = {}
     limits: LimitsSection = LimitsSection()
     memory_guard: MemoryGuardSection = MemoryGuardSection()
+    prefix_cache: PrefixCacheSection = PrefixCacheSection()
+    responses: ResponsesSection = ResponsesSection()
     source: str = ""  # where it was loaded from; not part of the file format
 
     def engine_part(self) -> dict[str, Any]:
@@ -96,4 +116,15 @@ def load(name_or_path: str) -> Profile:
         raise ProfileError(f"profile {path} is not valid TOML: {exc}") from None
     if prof.prefill.chunk_tokens <= 0:
         raise ProfileError(f"invalid profile {path}: prefill.chunk_tokens must be positive")
+    bounds = {
+        "prefix_cache.max_bytes": prof.prefix_cache.max_bytes,
+        "prefix_cache.max_entries": prof.prefix_cache.max_entries,
+        "prefix_cache.idle_s": prof.prefix_cache.idle_s,
+        "responses.max_entries": prof.responses.max_entries,
+        "responses.max_bytes": prof.responses.max_bytes,
+        "responses.ttl_s": prof.responses.ttl_s,
+    }
+    for key, value in bounds.items():
+        if value < 0:
+            raise ProfileError(f"invalid profile {path}: {key} must not be negative, got {value}")
     return msgspec.structs.replace(prof, source=str(path))

@@ -35,7 +35,7 @@ def in_process(model_dir: Path, profile: str, engine_kind: str, tokens: int, run
     try:
         for i in range(runs + 1):  # the first is a warm-up
             params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-            engine.add(EngineRequest(f"bench-{i}", tuple(PROMPT), params))
+            engine.add(EngineRequest(f"bench-{i}", tuple(PROMPT), params, reuse_prefix=False))
             stamps: list[float] = []
             done = False
             while not done:

@@ -112,6 +112,9 @@ class OutputStream:
         self._stop_ids = frozenset(stop_ids)
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
+        # Prompt tokens the engine restored from a prefix-state snapshot instead of prefilling;
+        # reported from the request's first token on (StepOutput.cached_tokens).
+        self.cached_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -129,6 +132,7 @@ class OutputStream:
             prompt_tokens=prompt_tokens,
             completion_tokens=len(self.token_ids),
             error=error,
+            cached_tokens=self.cached_tokens if self.token_ids else 0,
         )
 
     def push(self, token: int) -> str:

@@ -91,7 +91,7 @@ def _stock_greedy(model_dir: Path, spec: CorrectnessSpec, prompt: tuple[int, ...
     tokens: list[int] = []
     try:
         params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
-        engine.add(EngineRequest("correctness", prompt, params))
+        engine.add(EngineRequest("correctness", prompt, params, reuse_prefix=False))  # cold, as SPEC §5 says
         while engine.has_work():
             for out in engine.step():
                 if out.error:

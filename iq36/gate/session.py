@@ -99,7 +99,7 @@ def time_request(engine: Any, request_id: str, ids: tuple[int, ...], output_toke
     text: list[str] = []
     final = None
     t0 = time.perf_counter()
-    engine.add(EngineRequest(request_id, ids, params))
+    engine.add(EngineRequest(request_id, ids, params, reuse_prefix=False))  # timed runs are cold (SPEC §5)
     while engine.has_work():
         for out in engine.step():
             now = time.perf_counter()

@@ -1,10 +1,26 @@
 """The candidate engine: our own generation loop over `openvino.Core` on the locked IR.
 
 One compiled model, one infer request, one request at a time. The IR is stateful (conv/ssm
-states of the Gated-DeltaNet layers, KV of the full-attention layers), so a request is
-`reset_state()`, then its prompt is fed in chunks of `profile.prefill.chunk_tokens` — one
-chunk per `step()`, so an abort lands between chunks — and then one token per `step()`.
-Kernels from `kernels/` rewrite the IR before compile (see `_KERNELS`).
+states of the Gated-DeltaNet layers, KV of the full-attention layers), so a request starts
+from an empty state (`reset_state()`), then its prompt is fed in chunks of
+`profile.prefill.chunk_tokens` — one chunk per `step()`, so an abort lands between chunks —
+and then one token per `step()`. Kernels from `kernels/` rewrite the IR before compile (see
+`_KERNELS`).
+
+Prefix-state reuse (`[prefix_cache]`, worker/prefix_cache.py): a request instead starts from
+a snapshot of the longest cached proper prefix of its prompt and prefills only the rest. The
+engine snapshots the state (a) once the prompt is prefilled and (b) when a request finishes
+normally (STOP/LENGTH), keyed by exactly the tokens the state holds: prompt + generated tokens
+but the last, which was sampled and never fed. A chat's next turn (history + new message) then
+prefills only the new message. Snapshots are taken at the start of the following `step()`,
+before anything changes the state, so neither the first token nor the final output waits for
+the copy. `EngineRequest.reuse_prefix=False` neither reads nor fills the cache.
+
+Chunks end on multiples of `chunk_tokens`. A fresh prompt chunks exactly as before; after a
+restore at position p the first chunk is shorter (it ends at the next multiple), so every
+later chunk covers the same span, with the same shape, as in a fresh run of that prompt: the
+only computation that differs from a fresh run is the first partial chunk. It costs at most one
+extra (short) inference per request compared with chunking from p.
 """
 
 from __future__ import annotations
@@ -21,6 +37,7 @@ from iq36.profile import Profile
 from worker.detok import OutputStream
 from worker.engine import check_request
 from worker.engine.types import EngineRequest, FinishReason, StepOutput
+from worker.prefix_cache import PrefixStateCache, restore, snapshot
 from worker.reference import stateful_feed
 from worker.sampling import Sampler
 from worker.tokenizer import ModelTokenizer, read_vocab_size
@@ -92,6 +109,9 @@ class CandidateEngine:
         self._queue: deque[EngineRequest] = deque()
         self._running: _Running | None = None
         self._ready: list[StepOutput] = []  # outputs owed to the caller (e.g. queued aborts)
+        pc = profile.prefix_cache
+        self.prefix_cache = PrefixStateCache(pc.max_bytes, pc.max_entries, pc.idle_s) if pc.enabled else None
+        self._snapshot_due: _Running | None = None  # its state is to be kept before the next inference
 
     # -- contract --------------------------------------------------------------------------
 
@@ -116,11 +136,12 @@ class CandidateEngine:
 
     def step(self) -> list[StepOutput]:
         outputs, self._ready = self._ready, []
+        self._take_due_snapshot()
         if self._running is None and self._queue:
             req = self._queue.popleft()
             try:
                 self._running = _Running(req, self.tokenizer)
-                self._request.reset_state()
+                self._start(self._running)
             except Exception as exc:  # a request-level failure: report it, keep serving
                 log.exception("request %s failed to start", req.request_id)
                 self._running = None
@@ -140,16 +161,22 @@ class CandidateEngine:
             out.error = f"{type(exc).__name__}: {exc}"
         if out is not None:
             outputs.append(out)
+            if self._state_worth_keeping(run):
+                self._snapshot_due = run
             if out.finished:
                 self._running = None
         return outputs
 
     def has_work(self) -> bool:
-        return bool(self._ready or self._queue or self._running is not None)
+        """Also True while a snapshot is due: the next `step()` takes it (no output)."""
+        return bool(self._ready or self._queue or self._running is not None or self._snapshot_due is not None)
 
     def close(self) -> None:
         self._queue.clear()
         self._running = None
+        self._snapshot_due = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         self._request = None
         self._compiled = None
 
@@ -177,6 +204,7 @@ class CandidateEngine:
         """
         if self._running is not None or self._queue:
             raise RuntimeError("forced_logits needs an idle engine")
+        self._take_due_snapshot()  # before the state is replaced; the cache is otherwise bypassed
         self._request.reset_state()
         ids = np.asarray(prompt, dtype=np.int64)
         fed = 0
@@ -204,7 +232,7 @@ class CandidateEngine:
             return run.output([], "")
         if run.prefilling:
             start = run.fed
-            ids = run.prompt[start:start + self._chunk]
+            ids = run.prompt[start:(start // self._chunk + 1) * self._chunk]  # on the chunk grid
             logits = self._infer(ids, start)
             run.fed += ids.size
             if run.prefilling:
@@ -217,6 +245,48 @@ class CandidateEngine:
         run.sampler.accept(token)
         text = run.stream.push(token)
         return run.output([token], text)
+
+    # -- prefix-state reuse ------------------------------------------------------------------
+
+    def _start(self, run: _Running) -> None:
+        """Set the model state for a new request: a snapshot of its longest cached prefix, or empty."""
+        entry = None
+        if self.prefix_cache is not None and run.req.reuse_prefix:
+            entry = self.prefix_cache.lookup(run.prompt)
+        if entry is not None:
+            try:
+                restore(self._request, entry.states)
+                run.fed = run.stream.cached_tokens = entry.length
+                log.debug("request %s: restored %d of %d prompt tokens", run.req.request_id, entry.length,
+                          run.prompt.size)
+                return
+            except Exception:  # the cache is an optimisation: fall back to a full prefill
+                log.exception("request %s: restoring a %d-token prefix failed", run.req.request_id, entry.length)
+        self._request.reset_state()
+
+    def _state_worth_keeping(self, run: _Running) -> bool:
+        """After this step: (a) the prompt was just prefilled (the state holds exactly the
+        prompt) or (b) the request finished normally. Aborted or failed requests keep only (a)."""
+        if self.prefix_cache is None or not run.req.reuse_prefix:
+            return False
+        if run.stream.finished:
+            return run.stream.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        return run.fed == run.prompt.size
+
+    def _take_due_snapshot(self) -> None:
+        """Keep the state under exactly the tokens it holds: the prompt, then the generated tokens
+        fed back so far (the last sampled one never is). Must run before the next inference."""
+        run, self._snapshot_due = self._snapshot_due, None
+        if run is None or self.prefix_cache is None:
+            return
+        generated = np.asarray(run.stream.token_ids[:run.fed - run.prompt.size], dtype=np.int64)
+        tokens = np.concatenate([run.prompt, generated])
+        try:
+            states = snapshot(self._request, self.prefix_cache.max_bytes - tokens.nbytes)
+            if states is not None:
+                self.prefix_cache.put(tokens, states)
+        except Exception:  # never fail a request over the cache
+            log.exception("request %s: taking a %d-token snapshot failed", run.req.request_id, tokens.size)
 
     def _infer(self, ids: np.ndarray, past: int) -> np.ndarray:
         """Feed `ids` after `past` tokens of state; the last position's logits (a view)."""
