@@ -27,7 +27,9 @@ from gateway.handlers import chat_completions, completions, json_response
 from gateway.logging import RequestContextMiddleware, record_error
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.model import ModelInfo
+from gateway.response_store import ResponseStore
 from gateway.responses import model_list
+from gateway.responses_endpoint import create_response, delete_response, get_response
 from worker.settings import ServiceSettings
 from worker.supervisor import Supervisor, WorkerState
 
@@ -41,13 +43,21 @@ class Service:
     model: ModelInfo
     metrics: Metrics
     admission: AdmissionQueue
+    responses: ResponseStore
     keys: tuple[bytes, ...] = ()
 
     @classmethod
     def create(cls, supervisor: Supervisor, settings: ServiceSettings, model: ModelInfo,
                keys: tuple[bytes, ...] = ()) -> Service:
         metrics = Metrics(supervisor.status)
-        return cls(supervisor, settings, model, metrics, AdmissionQueue(supervisor, settings, metrics), keys)
+        bounds = model.profile.responses
+        store = ResponseStore(settings.state_dir / "responses.sqlite3", max_entries=bounds.max_entries,
+                              max_bytes=bounds.max_bytes, ttl_s=bounds.ttl_s)
+        return cls(supervisor, settings, model, metrics, AdmissionQueue(supervisor, settings, metrics), store, keys)
+
+    def close(self) -> None:
+        """Flush and close what the service owns (the response store)."""
+        self.responses.close()
 
 
 def _service(request: Request) -> Service:
@@ -108,6 +118,9 @@ ROUTES = [
     Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/health/live", live, methods=["GET"]),
     Route("/health/ready", ready, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

@@ -65,12 +65,12 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 
-async def _until_disconnect(request: Request, gen: Generation, work: Coroutine[Any, Any, _T]) -> _T:
-    """Run `work` unless the client leaves first: then stop generating now and raise _ClientGone."""
+async def until_disconnect(request: Request, gen: Generation, work: Coroutine[Any, Any, _T]) -> _T:
+    """Run `work` unless the client leaves first: then stop generating now and raise ClientGone."""
     task = asyncio.create_task(work, name=f"iq36-request-{gen.id[:8]}")
     gone = asyncio.create_task(_disconnected(request.receive), name=f"iq36-disconnect-{gen.id[:8]}")
     try:
@@ -85,7 +85,7 @@ async def _until_disconnect(request: Request, gen: Generation, work: Coroutine[A
                 ctx.status = CLIENT_CLOSED
         await asyncio.gather(gone, task, return_exceptions=True)
     if task.cancelled():
-        raise _ClientGone
+        raise ClientGone
     return task.result()
 
 
@@ -102,11 +102,11 @@ async def _generate(request: Request, build: Callable[[bytes, ModelInfo], Job]) 
         if job.stream:
             # Wait for the worker's acknowledgement (after tokenizing and its checks, before the
             # prefill) so a rejected prompt is an HTTP 400, not an error inside a 200 stream.
-            first = await _until_disconnect(request, gen, gen.__anext__())
+            first = await until_disconnect(request, gen, gen.__anext__())
             make = _chat_events if job.endpoint == "chat" else _completion_events
             return sse.response(make(gen, service.model, first), on_close=lambda: _stream_closed(gen))
-        outs = await _until_disconnect(request, gen, collect(gen))
-    except _ClientGone:
+        outs = await until_disconnect(request, gen, collect(gen))
+    except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     return json_response(_whole(gen, outs, service.model))
 

@@ -18,6 +18,7 @@ One connection (`check_same_thread=False`) behind a lock: safe from one asyncio 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import sqlite3
 import threading
@@ -42,6 +43,11 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_expires_at ON responses (expires_at);
 """
+
+
+def owner_of(api_key: str | None) -> str:
+    """The owner string of an API key: its SHA-256 (the key itself is never stored); "" without auth."""
+    return "" if api_key is None else hashlib.sha256(api_key.encode()).hexdigest()
 
 
 class StoreFull(Exception):

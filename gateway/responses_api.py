@@ -624,6 +624,11 @@ def response_object(meta: ResponseMeta, *, status: Status, output: list[dict[str
     }
 
 
+def deleted_object(id_: str) -> dict[str, Any]:
+    """The body of `DELETE /v1/responses/{id}`."""
+    return {"id": id_, "object": "response.deleted", "deleted": True}
+
+
 # --- streaming -------------------------------------------------------------------------------------
 
 _ENCODER = msgspec.json.Encoder()
@@ -701,8 +706,8 @@ class ResponseStreamBuilder:
             self._open = _Open("function_call", len(self._output), new_id("fc"), ev.id, ev.name, ev.index)
             item = function_call_item(self._open.id, ev.id, ev.name, "", "in_progress")
             return out + [self._event("response.output_item.added", output_index=self._open.index, item=item)]
-        cur = self._current()
-        if cur.kind != "function_call" or cur.tool_index != ev.index:
+        cur = self._open
+        if cur is None or cur.kind != "function_call" or cur.tool_index != ev.index:
             raise ValueError(f"tool call {ev.index} is not the open output item")
         if isinstance(ev, ToolCallDelta):
             if not ev.arguments:

@@ -110,6 +110,7 @@ async def serve(opts: ServeOptions) -> int:
                 await http
         await control.close()
         await supervisor.stop()
+        service.close()  # flush the response store
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return 0
