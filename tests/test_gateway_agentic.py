@@ -67,19 +67,35 @@ def _check_calls(calls: list[tuple[str, str]], schemas: dict[str, dict[str, Any]
 def test_required_tool_call_arrives_as_tool_calls(client: openai.OpenAI) -> None:
     for seed in (1, 2, 3):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",  # type: ignore[arg-type]
-                                           temperature=1.0, seed=seed, max_tokens=200, extra_body=NO_THINK)
+                                           parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200,
+                                           extra_body=NO_THINK)
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls"
         calls = choice.message.tool_calls or []
+        assert len(calls) == 1
         _check_calls([(c.function.name, c.function.arguments) for c in calls], {"get_weather": WEATHER_SCHEMA})
         assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
         _no_markup(choice.message.content)
 
 
+def test_parallel_required_calls_are_each_complete(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",  # type: ignore[arg-type]
+                                       temperature=1.0, seed=1, max_tokens=400, extra_body=NO_THINK)
+    choice = r.choices[0]
+    calls = choice.message.tool_calls or []
+    assert len({c.id for c in calls}) == len(calls) >= 1
+    # The random model keeps choosing "another call" over the end: a call cut off by max_tokens
+    # is reported as it came (finish_reason "length"); every finished call is valid.
+    done = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+    assert choice.finish_reason in ("tool_calls", "length")
+    _check_calls([(c.function.name, c.function.arguments) for c in done], {"get_weather": WEATHER_SCHEMA})
+    _no_markup(choice.message.content)
+
+
 def test_required_tool_call_streams_as_tool_call_deltas(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",  # type: ignore[arg-type]
-                                            temperature=1.0, seed=7, max_tokens=200, stream=True,
-                                            extra_body=NO_THINK)
+                                            parallel_tool_calls=False, temperature=1.0, seed=7, max_tokens=200,
+                                            stream=True, extra_body=NO_THINK)
     calls: dict[int, dict[str, str]] = {}
     content: list[str] = []
     finish = []

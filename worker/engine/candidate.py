@@ -9,12 +9,14 @@ and then one token per `step()`. Kernels from `kernels/` rewrite the IR before c
 
 Prefix-state reuse (`[prefix_cache]`, worker/prefix_cache.py): a request instead starts from
 a snapshot of the longest cached proper prefix of its prompt and prefills only the rest. The
-engine snapshots the state (a) once the prompt is prefilled and (b) when a request finishes
-normally (STOP/LENGTH), keyed by exactly the tokens the state holds: prompt + generated tokens
-but the last, which was sampled and never fed. A chat's next turn (history + new message) then
-prefills only the new message. Snapshots are taken at the start of the following `step()`,
-before anything changes the state, so neither the first token nor the final output waits for
-the copy. `EngineRequest.reuse_prefix=False` neither reads nor fills the cache.
+engine snapshots the state (a0) just before the prompt's last chat turn header
+(`<|im_start|>`, see `_turn_start`), (a) once the prompt is prefilled and (b) when a request
+finishes normally (STOP/LENGTH), keyed by exactly the tokens the state holds: prompt +
+generated tokens but the last, which was sampled and never fed. A chat's next turn (history +
+new message) then prefills only what the template did not render identically. Snapshots are
+taken at the start of the following `step()`, before anything changes the state, so neither
+the first token nor the final output waits for the copy. `EngineRequest.reuse_prefix=False`
+neither reads nor fills the cache.
 
 Chunks end on multiples of `chunk_tokens`. A fresh prompt chunks exactly as before; after a
 restore at position p the first chunk is shorter (it ends at the next multiple), so every
@@ -37,6 +39,7 @@ from iq36.profile import Profile
 from worker.detok import OutputStream
 from worker.engine import check_request
 from worker.engine.types import EngineRequest, FinishReason, StepOutput
+from worker.grammar import ConstrainedDecoder, GrammarCompiler
 from worker.prefix_cache import PrefixStateCache, restore, snapshot
 from worker.reference import stateful_feed
 from worker.sampling import Sampler
@@ -68,13 +71,15 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 class _Running:
     """The request being served: where its prefill is, its sampler and its output stream."""
 
-    def __init__(self, req: EngineRequest, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, req: EngineRequest, tokenizer: ModelTokenizer, decoder: ConstrainedDecoder | None) -> None:
         self.req = req
+        self.decoder = decoder  # constrained decoding (structured output, forced tool calls)
         self.prompt = np.asarray(req.prompt_ids, dtype=np.int64)
         self.fed = 0  # tokens already in the model state
         self.sampler = Sampler(req.params, req.prompt_ids)
         self.stream = OutputStream(tokenizer.decode, req.params, tokenizer.eos_token_ids)
         self.aborted = False
+        self.turn_start = 0  # where the prompt's last chat turn header begins (0: none / not used)
 
     @property
     def prefilling(self) -> bool:
@@ -112,11 +117,20 @@ class CandidateEngine:
         pc = profile.prefix_cache
         self.prefix_cache = PrefixStateCache(pc.max_bytes, pc.max_entries, pc.idle_s) if pc.enabled else None
         self._snapshot_due: _Running | None = None  # its state is to be kept before the next inference
+        # The chat turn marker (`<|im_start|>`), if the vocabulary has one: see `_turn_start`.
+        marker = self.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+        self._turn_marker = marker[0] if len(marker) == 1 else None
+        self._grammar: GrammarCompiler | None = None  # built on the first constrained request (~2-4 s)
 
     # -- contract --------------------------------------------------------------------------
 
     def add(self, req: EngineRequest) -> None:
         check_request(req, self.profile, self.vocab_size)
+        if req.constraint is not None:
+            if req.params.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured output: a complete output "
+                                 "allows only the end-of-sequence token")
+            self._compiler().check(req.constraint)  # unsupported schema features: refused before generation
         if self._known(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already queued or running")
         self._queue.append(req)
@@ -140,7 +154,8 @@ class CandidateEngine:
         if self._running is None and self._queue:
             req = self._queue.popleft()
             try:
-                self._running = _Running(req, self.tokenizer)
+                decoder = self._compiler().matcher(req.constraint) if req.constraint is not None else None
+                self._running = _Running(req, self.tokenizer, decoder)
                 self._start(self._running)
             except Exception as exc:  # a request-level failure: report it, keep serving
                 log.exception("request %s failed to start", req.request_id)
@@ -159,10 +174,10 @@ class CandidateEngine:
             run.stream.finish(FinishReason.ERROR)
             out = run.output([], "")
             out.error = f"{type(exc).__name__}: {exc}"
+        if self._state_worth_keeping(run):
+            self._snapshot_due = run
         if out is not None:
             outputs.append(out)
-            if self._state_worth_keeping(run):
-                self._snapshot_due = run
             if out.finished:
                 self._running = None
         return outputs
@@ -232,7 +247,10 @@ class CandidateEngine:
             return run.output([], "")
         if run.prefilling:
             start = run.fed
-            ids = run.prompt[start:(start // self._chunk + 1) * self._chunk]  # on the chunk grid
+            end = (start // self._chunk + 1) * self._chunk  # on the chunk grid
+            if start < run.turn_start < end:
+                end = run.turn_start  # stop there once, to keep the history's state (see _turn_start)
+            ids = run.prompt[start:end]
             logits = self._infer(ids, start)
             run.fed += ids.size
             if run.prefilling:
@@ -241,10 +259,19 @@ class CandidateEngine:
             last = run.stream.token_ids[-1]
             logits = self._infer(np.array([last], dtype=np.int64), run.fed)
             run.fed += 1
+        if run.decoder is not None:
+            logits = run.decoder.mask(logits)
         token = run.sampler.sample(logits)
+        if run.decoder is not None:
+            run.decoder.accept(token)
         run.sampler.accept(token)
         text = run.stream.push(token)
         return run.output([token], text)
+
+    def _compiler(self) -> GrammarCompiler:
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.model_dir, vocab_size=self.vocab_size)
+        return self._grammar
 
     # -- prefix-state reuse ------------------------------------------------------------------
 
@@ -259,18 +286,41 @@ class CandidateEngine:
                 run.fed = run.stream.cached_tokens = entry.length
                 log.debug("request %s: restored %d of %d prompt tokens", run.req.request_id, entry.length,
                           run.prompt.size)
-                return
             except Exception:  # the cache is an optimisation: fall back to a full prefill
                 log.exception("request %s: restoring a %d-token prefix failed", run.req.request_id, entry.length)
-        self._request.reset_state()
+                entry = None
+        if entry is None:
+            self._request.reset_state()
+        if self.prefix_cache is not None and run.req.reuse_prefix:
+            run.turn_start = self._turn_start(run)
+
+    def _turn_start(self, run: _Running) -> int:
+        """The position of the prompt's last `<|im_start|>` (the generation prompt's header), if
+        it is still to be prefilled: 0 otherwise.
+
+        Qwen's chat template renders a past assistant turn differently from the generation prompt
+        that produced it (`<|im_start|>assistant\n<think>…` becomes the bare answer once a newer
+        user message follows), so the next turn's prompt shares everything up to this header but
+        not the prompt's end. A snapshot here lets that next turn skip the whole history.
+        """
+        if self._turn_marker is None:
+            return 0
+        hits = np.flatnonzero(run.prompt == self._turn_marker)
+        if hits.size == 0:
+            return 0
+        b = int(hits[-1])
+        return b if run.fed < b < run.prompt.size else 0
 
     def _state_worth_keeping(self, run: _Running) -> bool:
-        """After this step: (a) the prompt was just prefilled (the state holds exactly the
-        prompt) or (b) the request finished normally. Aborted or failed requests keep only (a)."""
+        """After this step: (a0) the history before the last turn header was just prefilled, (a)
+        the prompt was just prefilled (the state holds exactly the prompt) or (b) the request
+        finished normally. Aborted or failed requests keep only (a0) and (a)."""
         if self.prefix_cache is None or not run.req.reuse_prefix:
             return False
         if run.stream.finished:
             return run.stream.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if run.prefilling:
+            return run.fed == run.turn_start > 0  # (a0) the history before the last turn header
         return run.fed == run.prompt.size
 
     def _take_due_snapshot(self) -> None:
@@ -279,8 +329,11 @@ class CandidateEngine:
         run, self._snapshot_due = self._snapshot_due, None
         if run is None or self.prefix_cache is None:
             return
-        generated = np.asarray(run.stream.token_ids[:run.fed - run.prompt.size], dtype=np.int64)
-        tokens = np.concatenate([run.prompt, generated])
+        if run.fed <= run.prompt.size:
+            tokens = run.prompt[:run.fed]
+        else:
+            generated = np.asarray(run.stream.token_ids[:run.fed - run.prompt.size], dtype=np.int64)
+            tokens = np.concatenate([run.prompt, generated])
         try:
             states = snapshot(self._request, self.prefix_cache.max_bytes - tokens.nbytes)
             if states is not None:

@@ -7,6 +7,12 @@ strings, max_tokens), so both engines emit text identically, and it ends generat
 STOP when the output is finished or CANCEL once the request was aborted. genai's prefill is
 one uninterruptible call: an abort is reported at the next `step()` and honoured by genai at
 its first streamer callback; the next request starts once `generate` has returned.
+
+Output constraints: json_object / json_schema go to genai's own structured output (xgrammar,
+`StructuredOutputConfig(json_schema=...)`). xgrammar silently ignores schema keywords it does not
+implement, so admission runs the candidate's schema check (`worker.grammar.build_grammar`) and
+both engines reject the same schemas. tool_calls and after_reasoning are refused at `add()`.
+genai's JSON grammar allows unbounded whitespace between JSON tokens (the candidate bounds it).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 from iq36.profile import Profile
 from worker.detok import OutputStream
 from worker.engine import check_request
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams, StepOutput
+from worker.engine.types import EngineRequest, FinishReason, OutputConstraint, SamplingParams, StepOutput
 from worker.tokenizer import ModelTokenizer, read_vocab_size
 
 log = logging.getLogger(__name__)
@@ -33,8 +39,27 @@ THREAD_NAME = "iq36-stock-generate"
 STEP_WAIT_S = 0.05  # step() blocks at most this long when the thread has produced nothing
 
 
-def generation_config(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> Any:
-    """A genai GenerationConfig equal to `params`, or ValueError naming what genai cannot honour.
+def structured_output(constraint: OutputConstraint) -> Any:
+    """genai's StructuredOutputConfig for `constraint`, or ValueError naming what it cannot honour."""
+    import openvino_genai
+
+    from worker.grammar import build_grammar
+
+    if constraint.kind == "tool_calls":
+        raise ValueError("tool_calls output constraints are not supported by the stock engine")
+    if constraint.after_reasoning:
+        # genai's grammar would apply from the first token: it cannot wait for `</think>`.
+        raise ValueError("constraints after reasoning (an open <think> block) are not supported by the stock engine")
+    build_grammar(constraint)  # unknown kind, invalid JSON, schema features no engine enforces
+    schema = constraint.schema if constraint.kind == "json_schema" else '{"type": "object"}'
+    return openvino_genai.StructuredOutputConfig(json_schema=schema)
+
+
+def generation_config(
+    params: SamplingParams, eos_token_ids: tuple[int, ...], constraint: OutputConstraint | None = None
+) -> Any:
+    """A genai GenerationConfig equal to `params` (and `constraint`), or ValueError naming what
+    genai cannot honour.
 
     Built from a blank config, not the pipeline's: the model's generation_config.json defaults
     (do_sample, temperature, top_k…) are the gateway's business, not the engine's.
@@ -69,6 +94,8 @@ def generation_config(params: SamplingParams, eos_token_ids: tuple[int, ...]) ->
         cfg.min_p = params.min_p
         # genai's default rng_seed is a constant: no seed must mean fresh entropy, as in the candidate.
         cfg.rng_seed = params.seed if params.seed is not None else secrets.randbits(63)
+    if constraint is not None:
+        cfg.structured_output_config = structured_output(constraint)
     try:
         cfg.validate()
     except RuntimeError as exc:
@@ -82,7 +109,7 @@ class _Job:
     def __init__(self, req: EngineRequest, tokenizer: ModelTokenizer) -> None:
         self.req = req
         self.stream = OutputStream(tokenizer.decode, req.params, tokenizer.eos_token_ids)
-        self.cfg = generation_config(req.params, tokenizer.eos_token_ids)
+        self.cfg = generation_config(req.params, tokenizer.eos_token_ids, req.constraint)
         self.aborted = threading.Event()
         self.reported = False  # the final output was handed to the caller
         # Tokens and text of the finishing token(s): sent with the final output, after
@@ -122,7 +149,7 @@ class StockEngine:
 
     def add(self, req: EngineRequest) -> None:
         check_request(req, self.profile, self.vocab_size)
-        generation_config(req.params, self.tokenizer.eos_token_ids)  # what genai cannot honour
+        generation_config(req.params, self.tokenizer.eos_token_ids, req.constraint)  # what genai cannot honour
         if self._known(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already queued or running")
         self._waiting.append(req)
