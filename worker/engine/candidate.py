@@ -60,11 +60,25 @@ def _perturb_embeddings(model: Any) -> Any:
     return perturb.apply(model)
 
 
+def _grouped_experts(model: Any) -> Any:
+    from kernels import grouped_experts
+
+    return grouped_experts.apply(model)
+
+
 # name -> (rewrite, default when the profile's [kernels] table does not name it)
 _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "last_token_logits": (_last_token_logits, True),
     # deliberately wrong; only for proving the correctness gate fails (kernels/perturb.py)
     "perturb_embeddings": (_perturb_embeddings, False),
+}
+
+# Rewrites that pay off only for chunks of many tokens: applied to a second compiled model used
+# for prefill chunks (> 1 token), while single tokens (decode) run the main one. The model state
+# moves between the two when the phase changes (a copy of every state variable). Off by default:
+# the prefill model holds its own copy of the weights it rewrites (docs/perf-log.md).
+_PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
+    "grouped_experts": (_grouped_experts, False),
 }
 
 
@@ -99,7 +113,8 @@ class CandidateEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = tokenizer or ModelTokenizer(self.model_dir)
         core = ov.Core()
-        model = core.read_model(self.model_dir / "openvino_model.xml")
+        xml = self.model_dir / "openvino_model.xml"
+        model = core.read_model(xml)
         self.kernels: list[str] = []
         for name, (rewrite, default) in _KERNELS.items():
             if profile.kernels.get(name, default):
@@ -108,8 +123,21 @@ class CandidateEngine:
         self._inputs = {p.get_any_name() for p in model.inputs}
         vocab = model.output("logits").get_partial_shape()[-1]
         self.vocab_size = vocab.get_length() if vocab.is_static else read_vocab_size(self.model_dir)
-        self._compiled = core.compile_model(model, profile.engine.device, dict(profile.engine.properties))
+        properties = dict(profile.engine.properties)
+        self._compiled = core.compile_model(model, profile.engine.device, properties)
         self._request = self._compiled.create_infer_request()
+        self._prefill_request: Any = None
+        prefill = [name for name, (_, default) in _PREFILL_KERNELS.items() if profile.kernels.get(name, default)]
+        if prefill:
+            pmodel = core.read_model(xml)
+            for name in self.kernels:
+                pmodel = _KERNELS[name][0](pmodel)
+            for name in prefill:
+                pmodel = _PREFILL_KERNELS[name][0](pmodel)
+                self.kernels.append(f"{name} (prefill)")
+            self._prefill_compiled = core.compile_model(pmodel, profile.engine.device, properties)
+            self._prefill_request = self._prefill_compiled.create_infer_request()
+        self._live: Any = self._request  # the infer request holding the model state (None: empty)
         self._chunk = profile.prefill.chunk_tokens
         self._queue: deque[EngineRequest] = deque()
         self._running: _Running | None = None
@@ -192,8 +220,8 @@ class CandidateEngine:
         self._snapshot_due = None
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-        self._request = None
-        self._compiled = None
+        self._request = self._live = self._prefill_request = None
+        self._compiled = self._prefill_compiled = None
 
     def describe(self) -> dict[str, Any]:
         """What the compiled model resolved to (reported in the worker's READY identity)."""
@@ -220,7 +248,7 @@ class CandidateEngine:
         if self._running is not None or self._queue:
             raise RuntimeError("forced_logits needs an idle engine")
         self._take_due_snapshot()  # before the state is replaced; the cache is otherwise bypassed
-        self._request.reset_state()
+        self._reset_state()
         ids = np.asarray(prompt, dtype=np.int64)
         fed = 0
         while fed < ids.size:
@@ -283,6 +311,7 @@ class CandidateEngine:
         if entry is not None:
             try:
                 restore(self._request, entry.states)
+                self._live = self._request
                 run.fed = run.stream.cached_tokens = entry.length
                 log.debug("request %s: restored %d of %d prompt tokens", run.req.request_id, entry.length,
                           run.prompt.size)
@@ -290,7 +319,7 @@ class CandidateEngine:
                 log.exception("request %s: restoring a %d-token prefix failed", run.req.request_id, entry.length)
                 entry = None
         if entry is None:
-            self._request.reset_state()
+            self._reset_state()
         if self.prefix_cache is not None and run.req.reuse_prefix:
             run.turn_start = self._turn_start(run)
 
@@ -335,7 +364,7 @@ class CandidateEngine:
             generated = np.asarray(run.stream.token_ids[:run.fed - run.prompt.size], dtype=np.int64)
             tokens = np.concatenate([run.prompt, generated])
         try:
-            states = snapshot(self._request, self.prefix_cache.max_bytes - tokens.nbytes)
+            states = snapshot(self._live or self._request, self.prefix_cache.max_bytes - tokens.nbytes)
             if states is not None:
                 self.prefix_cache.put(tokens, states)
         except Exception:  # never fail a request over the cache
@@ -343,5 +372,25 @@ class CandidateEngine:
 
     def _infer(self, ids: np.ndarray, past: int) -> np.ndarray:
         """Feed `ids` after `past` tokens of state; the last position's logits (a view)."""
-        self._request.infer(stateful_feed(ids, past, self._inputs))
-        return self._request.get_tensor("logits").data[0, -1]
+        request = self._prefill_request if ids.size > 1 and self._prefill_request is not None else self._request
+        if self._live is None:  # both requests hold an empty state
+            self._live = request
+        elif request is not self._live:
+            _move_state(self._live, request)
+            self._live = request
+        request.infer(stateful_feed(ids, past, self._inputs))
+        return request.get_tensor("logits").data[0, -1]
+
+    def _reset_state(self) -> None:
+        # An empty state cannot be moved between requests (the KV cache's empty shape is not a
+        # valid one to set): reset every request, and the first inference picks the holder.
+        self._request.reset_state()
+        if self._prefill_request is not None:
+            self._prefill_request.reset_state()
+        self._live = None
+
+
+def _move_state(source: Any, target: Any) -> None:
+    """Give `target` the model state `source` holds, every variable, through host copies (as
+    prefix snapshots do: handing one request's state tensor to another is not supported)."""
+    restore(target, snapshot(source, max_bytes=np.iinfo(np.int64).max) or {})
