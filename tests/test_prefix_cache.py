@@ -499,3 +499,28 @@ def test_a_disabled_cache_is_never_used(tiny_f32_dir: Path, profile: Profile, fi
         assert out.cached_tokens == 0 and tokens == reference
     finally:
         engine.close()
+
+
+def test_an_idle_worker_lets_the_cache_expire_idle_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
+    import queue
+
+    from ipc.messages import Ping
+    from worker import process
+
+    monkeypatch.setattr(process, "_IDLE_TICK_S", 0.001)
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    class Cache:
+        pruned = 0
+
+        def prune(self) -> None:
+            self.pruned += 1
+            if self.pruned == 3:  # a request arrives after three idle ticks
+                inbox.put(Ping(seq=7))
+
+    class Engine:
+        prefix_cache = Cache()
+
+    loop = process.EngineLoop(Engine(), io=None, inbox=inbox, generation=1)  # type: ignore[arg-type]
+    assert loop._wait() == [Ping(seq=7)]
+    assert Engine.prefix_cache.pruned == 3

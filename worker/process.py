@@ -68,6 +68,7 @@ EXIT_ENGINE_DEAD = 70  # the engine loop raised (EX_SOFTWARE)
 EXIT_ORPHANED = 75  # the supervisor vanished and the engine did not stop in time
 
 _ORPHAN_GRACE_S = 10.0
+_IDLE_TICK_S = 30.0  # how often an idle worker lets the engine expire idle cache entries
 
 _CLOSE = object()  # outbox sentinel: flush and close the socket
 
@@ -168,7 +169,7 @@ class EngineLoop:
 
     def run(self) -> int:
         while True:
-            msgs = [] if self._engine.has_work() else [self._inbox.get()]
+            msgs = [] if self._engine.has_work() else self._wait()
             while True:
                 try:
                     msgs.append(self._inbox.get_nowait())
@@ -200,6 +201,18 @@ class EngineLoop:
                             self._live[out.request_id] = out
             if outs:
                 self._io.send(Outputs(generation=self._generation, outputs=outs))
+
+    def _wait(self) -> list[ToWorker]:
+        """Block until a message arrives. Meanwhile, every `_IDLE_TICK_S`, let the engine drop
+        what it keeps only for a while (the prefix cache's idle snapshots): an idle worker must
+        not hold that memory until the next request."""
+        while True:
+            try:
+                return [self._inbox.get(timeout=_IDLE_TICK_S)]
+            except queue.Empty:
+                cache = getattr(self._engine, "prefix_cache", None)
+                if cache is not None:
+                    cache.prune()
 
     def _add(self, msg: Add, outs: list[StepOutput]) -> None:
         rid = msg.request.request_id
