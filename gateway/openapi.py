@@ -9,10 +9,12 @@ import msgspec
 from starlette.routing import BaseRoute, Route
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_api import ResponsesRequest
 
 _BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
 }
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _ERROR_SCHEMA = {
@@ -37,8 +39,9 @@ def document(routes: list[BaseRoute]) -> dict[str, Any]:
                 "operationId": f"{method.lower()}_{route.name}",
                 "responses": {"200": {"description": "success"}, "default": _ERROR},
             }
-            if "{model_id" in route.path:
-                op["parameters"] = [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+            for name in ("model_id", "response_id"):
+                if "{" + name in route.path:
+                    op["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
             body = _BODIES.get(route.path)
             if body is not None:
                 op["requestBody"] = {"required": True, "content": {"application/json": {

@@ -255,7 +255,9 @@ def test_openapi_describes_the_endpoints(server: GatewayServer) -> None:
     doc = server.http().get("/openapi.json").json()
     assert doc["openapi"].startswith("3.")
     for path in ("/v1/models", "/v1/models/{model_id}", "/v1/completions", "/v1/chat/completions",
-                 "/health/live", "/health/ready", "/metrics"):
+                 "/v1/responses", "/v1/responses/{response_id}", "/health/live", "/health/ready", "/metrics"):
         assert path in doc["paths"], path
+    assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
     schema = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert "messages" in schema["required"] and "max_completion_tokens" in schema["properties"]
+    assert "previous_response_id" in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
