@@ -9,7 +9,7 @@ import msgspec
 from starlette.routing import BaseRoute, Route
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.responses_api import ResponsesRequest
+from gateway.responses_request import ResponsesRequest
 
 _BODIES: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions": ChatCompletionRequest,

@@ -1,6 +1,6 @@
 """The Responses API endpoints: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
 
-A Responses request is turned into the equivalent chat job (`gateway.responses_api.chat_fields`
+A Responses request is turned into the equivalent chat job (`gateway.responses_request.chat_fields`
 and `input_messages`, then `gateway.protocol.chat_job`), so tools, structured output, reasoning
 and sampling follow exactly the chat policy; a 400 from that path is renamed to the Responses
 parameter (`max_tokens` -> `max_output_tokens`, …). The output goes through the same
@@ -25,7 +25,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import responses_api as rapi
+from gateway import responses_output as rout
+from gateway import responses_request as rreq
 from gateway import sse
 from gateway.admission import Generation
 from gateway.agentic import OutputPlan
@@ -52,7 +53,7 @@ def _not_found(response_id: str) -> APIError:
     return APIError("response_not_found", f"no response with id '{response_id}'", param="response_id")
 
 
-async def _previous(service: Service, who: str, req: rapi.ResponsesRequest) -> list[dict[str, Any]] | None:
+async def _previous(service: Service, who: str, req: rreq.ResponsesRequest) -> list[dict[str, Any]] | None:
     if req.previous_response_id is None:
         return None
     stored = await asyncio.to_thread(service.responses.get, req.previous_response_id, who)
@@ -62,26 +63,26 @@ async def _previous(service: Service, who: str, req: rapi.ResponsesRequest) -> l
     return stored.context
 
 
-def _job(req: rapi.ResponsesRequest, previous: list[dict[str, Any]] | None, service: Service) -> Job:
-    body = {**rapi.chat_fields(req), "messages": rapi.input_messages(req, previous)}
+def _job(req: rreq.ResponsesRequest, previous: list[dict[str, Any]] | None, service: Service) -> Job:
+    body = {**rreq.chat_fields(req), "messages": rreq.input_messages(req, previous)}
     try:
         job = chat_job(msgspec.json.encode(body), service.model)
     except APIError as exc:
-        exc.param = rapi.responses_param(exc.param)
+        exc.param = rreq.responses_param(exc.param)
         raise
     return Job("responses", job.model, job.params, job.prompt, job.prompt_ids, job.stream, False,
                output=job.output, reuse_prefix=job.reuse_prefix)
 
 
 def _usage(gen: Generation, turn: AssistantTurn) -> dict[str, Any]:
-    return rapi.usage(gen.prompt_tokens, gen.completion_tokens, cached_tokens=gen.cached_tokens,
+    return rout.usage(gen.prompt_tokens, gen.completion_tokens, cached_tokens=gen.cached_tokens,
                       reasoning_tokens=turn.reasoning_tokens)
 
 
 async def create_response(request: Request) -> Response:
     service = _service(request)
     body = await read_body(request, service.settings.max_body_bytes)
-    req = rapi.parse_request(body)
+    req = rreq.parse_request(body)
     who = owner(request.scope)
     previous = await _previous(service, who, req)
     job = _job(req, previous, service)
@@ -92,7 +93,7 @@ async def create_response(request: Request) -> Response:
         except StoreFull as exc:
             raise APIError("response_store_full", str(exc)) from None
     gen = await service.admission.submit(job)
-    meta = rapi.ResponseMeta.from_request(req, id_=f"resp_{gen.id}", created_at=gen.created,
+    meta = rout.ResponseMeta.from_request(req, id_=f"resp_{gen.id}", created_at=gen.created,
                                           temperature=job.params.temperature, top_p=job.params.top_p,
                                           max_output_tokens=job.params.max_tokens)
     ctx = current.get()
@@ -102,12 +103,12 @@ async def create_response(request: Request) -> Response:
     try:
         if job.stream:
             first = await until_disconnect(request, gen, gen.__anext__())
-            events = _events(gen, job.output or OutputPlan(), rapi.ResponseStreamBuilder(meta), first, saver)
+            events = _events(gen, job.output or OutputPlan(), rout.ResponseStreamBuilder(meta), first, saver)
             return sse.response(events, on_close=gen.close)
         outs = await until_disconnect(request, gen, collect(gen))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    builder = rapi.ResponseStreamBuilder(meta)
+    builder = rout.ResponseStreamBuilder(meta)
     turn = AssistantTurn(job.output or OutputPlan())
     for out in outs:
         for ev in turn.push(out):
@@ -121,16 +122,16 @@ async def create_response(request: Request) -> Response:
 class _Saver:
     """Stores a finished response with the conversation it continues."""
 
-    def __init__(self, service: Service, who: str, req: rapi.ResponsesRequest,
+    def __init__(self, service: Service, who: str, req: rreq.ResponsesRequest,
                  previous: list[dict[str, Any]] | None) -> None:
         self._service, self._who, self._req, self._previous = service, who, req, previous
 
     async def save(self, response: dict[str, Any]) -> None:
-        context = rapi.stored_context(self._req, self._previous, response)
+        context = rreq.stored_context(self._req, self._previous, response)
         await asyncio.to_thread(self._service.responses.put, response["id"], self._who, response, context)
 
 
-async def _events(gen: Generation, output: OutputPlan, builder: rapi.ResponseStreamBuilder, first: StepOutput,
+async def _events(gen: Generation, output: OutputPlan, builder: rout.ResponseStreamBuilder, first: StepOutput,
                   saver: _Saver | None) -> AsyncGenerator[bytes, None]:
     turn = AssistantTurn(output)
 
@@ -141,12 +142,12 @@ async def _events(gen: Generation, output: OutputPlan, builder: rapi.ResponseStr
 
     try:
         for ev in builder.start():
-            yield rapi.sse_event(ev)
+            yield rout.sse_event(ev)
         reason: FinishReason | None = None
         async for out in outputs():
             for pev in turn.push(out):
                 for ev in builder.feed(pev):
-                    yield rapi.sse_event(ev)
+                    yield rout.sse_event(ev)
             if out.finished:
                 reason = out.finish_reason
         final = builder.finish(reason, _usage(gen, turn))
@@ -156,11 +157,11 @@ async def _events(gen: Generation, output: OutputPlan, builder: rapi.ResponseStr
             except Exception:  # the client still gets its response; a lost store write is logged
                 log.exception("storing response %s failed", builder.response["id"])
         for ev in final:
-            yield rapi.sse_event(ev)
+            yield rout.sse_event(ev)
     except APIError as exc:
         record_error(exc.code)
         for ev in builder.fail(exc, _usage(gen, turn)):
-            yield rapi.sse_event(ev)
+            yield rout.sse_event(ev)
     finally:
         gen.close()
 
@@ -179,4 +180,4 @@ async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     if not await asyncio.to_thread(service.responses.delete, response_id, owner(request.scope)):
         raise _not_found(response_id)
-    return json_response(rapi.deleted_object(response_id))
+    return json_response(rout.deleted_object(response_id))

@@ -17,21 +17,17 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 
 from gateway.errors import APIError
 from gateway.output_parser import ContentDelta, ParserEvent, ReasoningDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from gateway.responses_api import (
+from gateway.responses_output import ResponseMeta, ResponseStreamBuilder, deleted_object, sse_event, usage
+from gateway.responses_request import (
     FIELD_POLICY,
-    ResponseMeta,
     ResponsesRequest,
-    ResponseStreamBuilder,
     chat_fields,
-    deleted_object,
     input_messages,
     parse_request,
     responses_param,
-    sse_event,
     stored_context,
     to_chat_tool_choice,
     to_chat_tools,
-    usage,
 )
 from worker.engine.types import FinishReason
 
