@@ -60,6 +60,12 @@ def _perturb_embeddings(model: Any) -> Any:
     return perturb.apply(model)
 
 
+def _phase_experts(model: Any) -> Any:
+    from kernels import phase_experts
+
+    return phase_experts.apply(model)
+
+
 def _grouped_experts(model: Any) -> Any:
     from kernels import grouped_experts
 
@@ -71,6 +77,8 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "last_token_logits": (_last_token_logits, True),
     # deliberately wrong; only for proving the correctness gate fails (kernels/perturb.py)
     "perturb_embeddings": (_perturb_embeddings, False),
+    # experimental (issue #7): token-grouped experts for prefill chunks inside one graph
+    "phase_experts": (_phase_experts, False),
 }
 
 # Rewrites that pay off only for chunks of many tokens: applied to a second compiled model used
