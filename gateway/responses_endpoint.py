@@ -17,6 +17,7 @@ failed or aborted one is not. SQLite calls run in a thread so the event loop nev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
@@ -70,8 +71,7 @@ def _job(req: rreq.ResponsesRequest, previous: list[dict[str, Any]] | None, serv
     except APIError as exc:
         exc.param = rreq.responses_param(exc.param)
         raise
-    return Job("responses", job.model, job.params, job.prompt, job.prompt_ids, job.stream, False,
-               output=job.output, reuse_prefix=job.reuse_prefix)
+    return dataclasses.replace(job, endpoint="responses", include_usage=False)
 
 
 def _usage(gen: Generation, turn: AssistantTurn) -> dict[str, Any]:

@@ -21,6 +21,7 @@ the expert count. Same math as the block, in another summation order (~1e-6 rela
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -202,28 +203,36 @@ def _expert_loop(parts: dict[str, Any]) -> Any:
     return loop.get_iter_value(y_next.output(0), -1)
 
 
-def apply(model: Any) -> Any:
-    """Rewrite every routed-experts block of `model` (before compile) in place; returns it."""
+def _loop_branch(then_body: Any) -> None:
+    """Replace the routed experts of a branch body by the token-grouped loop."""
+    from openvino import opset15 as op
+
+    parts = _routed_parts(then_body)
+    flat = _expert_loop(parts)
+    target = op.slice(parts["target"], np.array([1], np.int64), np.array([np.iinfo(np.int64).max], np.int64),
+                      np.array([1], np.int64))
+    parts["sum"].output(0).replace(op.reshape(flat, target, False).output(0))
+    then_body.validate_nodes_and_infer_types()
+
+
+def wrap_blocks(model: Any, min_tokens: int, rewrite_then: Callable[[Any], None] | None) -> int:
+    """Move every MoE block of `model` into both branches of an `If(tokens >= min_tokens)`,
+    rewriting the `then` branch with `rewrite_then` (None: the same block twice, a probe of what
+    the plugin makes of the If); how many blocks."""
     from openvino import opset8
     from openvino import opset15 as op
 
     from kernels import grouped_experts
 
     blocks = grouped_experts._blocks(model)
-    if not blocks:
-        raise RewriteError("no routed-experts block of the exported pattern was found")
     memo: dict[str, bool] = {}
     for block in blocks:
         x2d = block.x2d
         then_body, else_body, consumers, sources = _into_branches(model, block.out, x2d, memo)
-        parts = _routed_parts(then_body)
-        flat = _expert_loop(parts)
-        target = op.slice(parts["target"], np.array([1], np.int64), np.array([np.iinfo(np.int64).max], np.int64),
-                          np.array([1], np.int64))
-        parts["sum"].output(0).replace(op.reshape(flat, target, False).output(0))
-        then_body.validate_nodes_and_infer_types()
+        if rewrite_then is not None:
+            rewrite_then(then_body)
         tokens = op.gather(op.shape_of(x2d), op.constant(0), op.constant(0))
-        branch = opset8.if_op(op.greater_equal(tokens, op.constant(np.int64(MIN_TOKENS))).output(0))
+        branch = opset8.if_op(op.greater_equal(tokens, op.constant(np.int64(min_tokens))).output(0))
         branch.set_friendly_name(f"{block.out.get_friendly_name()}/{NAME}")
         branch.set_then_body(then_body)
         branch.set_else_body(else_body)
@@ -233,4 +242,11 @@ def apply(model: Any) -> Any:
         for consumer in consumers:
             consumer.replace_source_output(result)
     model.validate_nodes_and_infer_types()
+    return len(blocks)
+
+
+def apply(model: Any) -> Any:
+    """Rewrite every routed-experts block of `model` (before compile) in place; returns it."""
+    if not wrap_blocks(model, MIN_TOKENS, _loop_branch):
+        raise RewriteError("no routed-experts block of the exported pattern was found")
     return model

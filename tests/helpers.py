@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 
 def run_cli(
@@ -19,3 +21,66 @@ def run_cli(
         env={**os.environ, **(env or {})},
         stdin=subprocess.DEVNULL,
     )
+
+
+# -- engines in-process ------------------------------------------------------------------------
+
+MAX_STEPS = 10_000  # a runaway loop fails the test instead of hanging it
+
+
+def run_engine(engine: Any, *reqs: Any) -> list[Any]:
+    """Add `reqs` and step until the engine is idle; every output, in order."""
+    for req in reqs:
+        engine.add(req)
+    outputs: list[Any] = []
+    for _ in range(MAX_STEPS):
+        if not engine.has_work():
+            return outputs
+        outputs.extend(engine.step())
+    raise AssertionError("the engine did not go idle")
+
+
+def tokens_of(outputs: list[Any], request_id: str) -> list[int]:
+    return [t for o in outputs if o.request_id == request_id for t in o.token_ids]
+
+
+def final(outputs: list[Any], request_id: str) -> Any:
+    done = [o for o in outputs if o.request_id == request_id and o.finished]
+    assert len(done) == 1, f"expected one final output for {request_id}, got {done}"
+    return done[0]
+
+
+def kernel_greedy(model_dir: Path, kernel: str, enabled: bool, prompt: tuple[int, ...],
+                  max_tokens: int) -> tuple[list[int], list[str]]:
+    """Greedy tokens of the candidate engine (f32 reference mode, 64-token prefill chunks, no
+    prefix reuse) with one `[kernels]` switch set; and the kernels the engine reports."""
+    import msgspec
+
+    from iq36.profile import PrefillSection, load
+    from worker.engine import EngineRequest, SamplingParams, create
+
+    profile = load("cpu-f32")
+    profile = msgspec.structs.replace(profile, prefill=PrefillSection(chunk_tokens=64),
+                                      kernels={**profile.kernels, kernel: enabled})
+    engine = create("candidate", model_dir, profile)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outputs = run_engine(engine, EngineRequest("greedy", prompt, params, reuse_prefix=False))
+        return tokens_of(outputs, "greedy"), engine.describe()["kernels"]  # type: ignore[attr-defined]
+    finally:
+        engine.close()
+
+
+# -- tool schemas shared by the agent tests ------------------------------------------------------
+
+# Bounded (maxLength, minimum/maximum, enum) so a random-weight model under a grammar terminates.
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "days", "unit"],
+    "additionalProperties": False,
+}

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from iq36.profile import PrefillSection, Profile, load
+from tests.helpers import MAX_STEPS, final, tokens_of
+from tests.helpers import run_engine as run
 from worker.engine import (
     Engine,
     EngineRequest,
@@ -34,33 +36,10 @@ TEXT = (
     "The quick brown fox jumps over the lazy dog. 0123456789. Pack my box with five dozen liquor jugs; "
     "how vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow."
 )
-MAX_STEPS = 10_000  # a runaway loop fails the test instead of hanging it
 
 
 def _greedy(max_tokens: int = GREEDY_TOKENS, **kw: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
-
-
-def run(engine: Engine, req: EngineRequest | None = None) -> list[StepOutput]:
-    """Add `req` (if given) and step until the engine is idle; every output, in order."""
-    if req is not None:
-        engine.add(req)
-    outputs: list[StepOutput] = []
-    for _ in range(MAX_STEPS):
-        if not engine.has_work():
-            return outputs
-        outputs.extend(engine.step())
-    raise AssertionError("the engine did not go idle")
-
-
-def tokens_of(outputs: list[StepOutput], request_id: str) -> list[int]:
-    return [t for o in outputs if o.request_id == request_id for t in o.token_ids]
-
-
-def final(outputs: list[StepOutput], request_id: str) -> StepOutput:
-    done = [o for o in outputs if o.request_id == request_id and o.finished]
-    assert len(done) == 1, f"expected one final output for {request_id}, got {done}"
-    return done[0]
 
 
 def step_until_tokens(engine: Engine, request_id: str, n: int) -> list[StepOutput]:

@@ -21,18 +21,9 @@ import openai
 import pytest
 
 from tests.gateway_server import MODEL, GatewayServer
+from tests.helpers import WEATHER_SCHEMA
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "days", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
                                             "parameters": WEATHER_SCHEMA}}
 TIME_SCHEMA = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},

@@ -18,19 +18,10 @@ import openai
 import pytest
 
 from tests.gateway_server import MODEL, GatewayServer, write_profile
+from tests.helpers import WEATHER_SCHEMA
 
 NO_THINK = {"reasoning": {"effort": "none"}}
 KEY_A, KEY_B = "key-alpha", "key-beta"
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "days", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather forecast",
            "parameters": WEATHER_SCHEMA, "strict": True}
 

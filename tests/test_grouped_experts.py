@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pytest
 
-from iq36.profile import PrefillSection, load
 from kernels import grouped_experts, last_token_logits
-from worker.engine import EngineRequest, SamplingParams, create
+from tests.helpers import kernel_greedy
 from worker.reference import stateful_feed
 
 
@@ -59,25 +57,8 @@ def test_a_model_without_the_pattern_is_refused(tiny_f32_dir: Path) -> None:
         grouped_experts.apply(model)
 
 
-def _greedy(tiny_dir: Path, kernel: bool, prompt: tuple[int, ...]) -> list[int]:
-    profile = load("cpu-f32")
-    profile = msgspec.structs.replace(profile, prefill=PrefillSection(chunk_tokens=64),
-                                      kernels={**profile.kernels, "grouped_experts": kernel})
-    engine = create("candidate", tiny_dir, profile)
-    try:
-        if kernel:
-            assert "grouped_experts (prefill)" in engine.describe()["kernels"]  # type: ignore[attr-defined]
-        engine.add(EngineRequest("g", prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
-                                 reuse_prefix=False))
-        tokens: list[int] = []
-        while engine.has_work():
-            for out in engine.step():
-                tokens.extend(out.token_ids)
-        return tokens
-    finally:
-        engine.close()
-
-
 def test_greedy_generation_is_unchanged(tiny_dir: Path) -> None:
     prompt = tuple(range(1000, 1200))  # 200 tokens: four prefill chunks of 64, then decode
-    assert _greedy(tiny_dir, True, prompt) == _greedy(tiny_dir, False, prompt)
+    tokens, kernels = kernel_greedy(tiny_dir, "grouped_experts", True, prompt, 48)
+    assert "grouped_experts (prefill)" in kernels
+    assert tokens == kernel_greedy(tiny_dir, "grouped_experts", False, prompt, 48)[0]

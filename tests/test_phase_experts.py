@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgspec
 import numpy as np
 
-from iq36.profile import PrefillSection, load
 from kernels import last_token_logits, phase_experts
-from worker.engine import EngineRequest, SamplingParams, create
+from tests.helpers import kernel_greedy
 from worker.reference import stateful_feed
 
 
@@ -44,22 +42,7 @@ def test_prefill_and_decode_logits_are_kept(tiny_dir: Path) -> None:
     assert (plain.argmax(axis=1) == phased.argmax(axis=1)).all()
 
 
-def _greedy(tiny_dir: Path, kernel: bool) -> list[int]:
-    profile = load("cpu-f32")
-    profile = msgspec.structs.replace(profile, prefill=PrefillSection(chunk_tokens=64),
-                                      kernels={**profile.kernels, "phase_experts": kernel})
-    engine = create("candidate", tiny_dir, profile)
-    try:
-        engine.add(EngineRequest("p", tuple(range(1000, 1200)),
-                                 SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), reuse_prefix=False))
-        tokens: list[int] = []
-        while engine.has_work():
-            for out in engine.step():
-                tokens.extend(out.token_ids)
-        return tokens
-    finally:
-        engine.close()
-
-
 def test_greedy_generation_is_unchanged(tiny_dir: Path) -> None:
-    assert _greedy(tiny_dir, True) == _greedy(tiny_dir, False)
+    prompt = tuple(range(1000, 1200))
+    tokens = kernel_greedy(tiny_dir, "phase_experts", True, prompt, 32)[0]
+    assert tokens == kernel_greedy(tiny_dir, "phase_experts", False, prompt, 32)[0]

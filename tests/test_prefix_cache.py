@@ -18,6 +18,8 @@ import pytest
 
 import profiles
 from iq36.profile import PrefillSection, Profile, ProfileError, load
+from tests.helpers import final, tokens_of
+from tests.helpers import run_engine as run
 from worker.detok import OutputStream
 from worker.engine import EngineRequest, FinishReason, SamplingParams, StepOutput, create
 from worker.engine.candidate import CandidateEngine
@@ -25,7 +27,6 @@ from worker.prefix_cache import PrefixStateCache, restore, snapshot
 from worker.tokenizer import ModelTokenizer
 
 CHUNK = 8
-MAX_STEPS = 10_000
 FIRST = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs; "
     "how vexingly quick daft zebras jump!"
@@ -258,26 +259,6 @@ def test_restore_reproduces_the_logits_of_an_uninterrupted_run(tiny_f32_dir: Pat
 
 def _greedy(max_tokens: int = 12) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def run(engine: CandidateEngine, *reqs: EngineRequest) -> list[StepOutput]:
-    for req in reqs:
-        engine.add(req)
-    outputs: list[StepOutput] = []
-    for _ in range(MAX_STEPS):
-        if not engine.has_work():
-            return outputs
-        outputs.extend(engine.step())
-    raise AssertionError("the engine did not go idle")
-
-
-def tokens_of(outputs: list[StepOutput], request_id: str) -> list[int]:
-    return [t for o in outputs if o.request_id == request_id for t in o.token_ids]
-
-
-def final(outputs: list[StepOutput], request_id: str) -> StepOutput:
-    (done,) = [o for o in outputs if o.request_id == request_id and o.finished]
-    return done
 
 
 def generate(engine: CandidateEngine, rid: str, prompt: tuple[int, ...], reuse: bool = True,
