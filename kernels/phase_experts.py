@@ -1,26 +1,30 @@
 """Kernel `phase_experts`: one graph, routed experts token-grouped for prefill chunks and
 left to the plugin's fused kernel for decode.
 
-Why (docs/perf-log.md, "Routed experts, token-grouped" and "One graph for both phases"): for a
+Why (docs/perf-log.md, "Routed experts, token-grouped" and the `phase_experts` sections): for a
 chunk of many tokens it is far cheaper to run each expert once on all the tokens routed to it
 than to read every expert's weights once per token, as the plugin's `GatherMatmulCompressed`
 does; for one token it is the other way round. `grouped_experts` needs a second compiled model
-(and the memory of a second model); this kernel keeps one:
+(and the memory of a second model); this kernel keeps one graph and one copy of the weights:
 
-    If(tokens >= MIN_TOKENS)
-      then: Loop over the experts present in the chunk (Unique of the top-k ids): gather the
-            expert's u4 weights, zero points and scales from the stacked constants at run time,
-            decompress them as the export does, run its three matmuls on its tokens only and
-            scatter-add the weighted result back;
-      else: the exported block, unchanged (the plugin still fuses it inside the branch).
+    n = 1 if tokens >= MIN_TOKENS else tokens
+    y = concat(exported_block(rows[:n]),          the plugin-fused block, unchanged
+               expert_loop(rows)[n:])             no iteration below MIN_TOKENS
 
-Both branches hold the same constants (measured: the plugin keeps one copy). Nothing depends on
-the expert count. Same math as the block, in another summation order (~1e-6 relative in f32,
-`tests/test_phase_experts.py`).
+The loop runs over the experts present in the chunk (Unique of the top-k ids): it gathers the
+expert's packed u4 bytes, zero points and scales from the block's own constants (a u8 view of
+the same buffer, no copy), unpacks and decompresses them as the export does, runs its three
+matmuls on its tokens only and scatter-adds the weighted result back. The router stays where it
+was; both paths read its top-k ids and weights. There is no `If`: the plugin runs an `If`
+body on one thread, which cost decode 1.5-2.5 ms per MoE layer (docs/perf-log.md).
+
+Nothing depends on the expert or layer count. Same math as the block, in another summation
+order (~1e-6 relative in f32, `tests/test_phase_experts.py`).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -58,22 +62,26 @@ def _constant_only(node: Any, memo: dict[str, bool]) -> bool:
     return memo[key]
 
 
-def _into_branches(model: Any, out: Any, x2d: Any, memo: dict[str, bool]) -> tuple[Any, Any, Any, list[Any]]:
-    """Move the block between `x2d` and `out` (with its constant-only inputs) into a new body
-    model and a clone of it. Returns (then_body, else_body, consumers of out, outer sources)."""
+def _into_branches(model: Any, out: Any, x2d: Any, memo: dict[str, bool],
+                   outside: set[str] = frozenset(), seeds: tuple[Any, ...] = ()  # type: ignore[assignment]
+                   ) -> tuple[Any, Any, Any, list[Any]]:
+    """Move the block between `x2d` and `out` (with its constant-only inputs, but not the nodes
+    named in `outside`; the block is what lies downstream of `x2d` or of the `seeds` nodes) into a
+    new body model and a clone of it. Returns (then_body, else_body,
+    consumers of out, outer sources)."""
     import openvino as ov
     from openvino import opset8
     from openvino import opset15 as op
 
     upstream = _ancestors(out)
     inside: dict[str, Any] = {}
-    stack = [x2d.get_node()]
+    stack = [x2d.get_node(), *seeds]
     while stack:
         n = stack.pop()
         for o in n.outputs():
             for target in o.get_target_inputs():
                 m = target.get_node()
-                if m.get_name() in upstream and m.get_name() not in inside:
+                if m.get_name() in upstream and m.get_name() not in inside and m.get_name() not in outside:
                     inside[m.get_name()] = m
                     stack.append(m)
     consumers = list(out.output(0).get_target_inputs())
@@ -149,17 +157,55 @@ def _routed_parts(body: Any) -> dict[str, Any]:
     raise RewriteError("no routed-experts block in the branch")
 
 
-def _expert_loop(parts: dict[str, Any]) -> Any:
-    """[T, H]: the routed experts computed token-grouped, one Loop iteration per present expert."""
+def _packed_view(const: Any) -> Any:
+    """A u8 constant `[E, n/2]` over the same bytes as the u4 constant `const` `[E, ...]` (n
+    elements per expert, two to a byte, the first in the low nibble). The memory is shared."""
+    from openvino import opset15 as op
+
+    shape = const.get_output_shape(0)
+    per_expert = int(np.prod(shape[1:]))
+    if per_expert % 2:
+        raise RewriteError("an expert's u4 block does not end on a byte boundary")
+    data = const.get_data()  # the packed bytes: a read-only view of the constant's buffer
+    # OpenVINO shares only writeable arrays; a ctypes view of the same bytes is one, and it
+    # keeps the constant (and so its buffer) alive. The graph never writes to constants.
+    buf = (ctypes.c_uint8 * data.size).from_address(data.ctypes.data)
+    buf._owner = (data, const)  # type: ignore[attr-defined]
+    view = np.ctypeslib.as_array(buf).reshape(shape[0], per_expert // 2)
+    return op.constant(view, shared_memory=True)
+
+
+def _unpack_u4(rows: Any, const: Any) -> Any:
+    """u8 `[n/2]` packed bytes -> u4 values `const.shape[1:]`, as u8."""
+    from openvino import opset15 as op
+
+    low = op.bitwise_and(rows, op.constant(np.uint8(0x0F)))
+    high = op.bitwise_right_shift(rows, op.constant(np.uint8(4)))
+    pairs = op.concat([op.unsqueeze(low, op.constant(-1)), op.unsqueeze(high, op.constant(-1))], -1)
+    shape = np.array(list(const.get_output_shape(0))[1:], np.int64)
+    return op.reshape(pairs, op.constant(shape), False)
+
+
+def _expert_loop(parts: dict[str, Any], run: Any = None) -> Any:
+    """[T, H]: the routed experts computed token-grouped, one Loop iteration per present expert
+    (no iteration, zeros, where the boolean `run` is false)."""
     import openvino as ov
     from openvino import opset15 as op
 
     x = parts["x"]
     et = x.get_element_type()
+    views: dict[str, Any] = {}
+
+    def packed(const: Any) -> Any:
+        if const.get_name() not in views:
+            views[const.get_name()] = _packed_view(const)
+        return views[const.get_name()]
     idx = op.convert(parts["idx"], ov.Type.i64)
     weights = op.convert(parts["weights"], et)
     present = op.unique(op.reshape(idx, op.constant(np.array([-1], np.int64)), False), sorted=True).output(0)
     trips = op.gather(op.shape_of(present), op.constant(0), op.constant(0))
+    if run is not None:
+        trips = op.select(run, trips, op.constant(np.int64(0)))
 
     i = op.parameter([], np.int64, name="i")
     b_present = op.parameter([-1], np.int64, name="present")
@@ -177,20 +223,41 @@ def _expert_loop(parts: dict[str, Any]) -> Any:
     invariants: list[tuple[Any, Any]] = [(b_present, present), (b_x, x), (b_idx, idx.output(0)),
                                          (b_w, weights.output(0))]
 
-    def projection(name: str) -> Any:
+    def gathered(name: str) -> tuple[Any, Any]:
+        """The expert's decompressed weights `[out, in/2]` for the even and the odd positions
+        of each input group (one byte holds an even element in its low nibble and the next odd
+        one in its high nibble)."""
         w, z, s, half, out_type = parts[name]
-        # The branch's own constants, used inside the loop body as they are: no copy of the
-        # weights (as invariant Loop inputs the plugin would hold another copy of them).
-        handles = [op.gather(const, expert, op.constant(0)) for const in (w, z, s)]
-        gw, gz, gs = handles
-        d = op.multiply(op.subtract(op.convert(gw, half), op.convert(gz, half)), gs)
-        shape = w.get_output_partial_shape(0).to_shape()
-        d = op.reshape(d, op.constant(np.array([shape[1], shape[2] * shape[3]], np.int64)), False)
-        return op.convert(d, out_type)
+        shape = w.get_output_partial_shape(0).to_shape()  # [E, out, groups, group]
+        # The packed bytes, unpacked with float arithmetic (exact on 0..255) that the plugin runs
+        # as one fused eltwise chain. (A Gather over the u4 constant itself makes the plugin hold
+        # the constant unpacked, +1.7 GB on dev-bench-256; bitwise ops + Concat were 8x slower.)
+        b = op.convert(op.gather(packed(w), expert, op.constant(0)), ov.Type.f32)
+        b = op.reshape(b, op.constant(np.array([shape[1], shape[2], shape[3] // 2], np.int64)), False)
+        high = op.floor(op.multiply(b, op.constant(np.float32(1 / 16))))
+        low = op.subtract(b, op.multiply(high, op.constant(np.float32(16))))
+        halves = (op.convert(low, half), op.convert(high, half))
+        gz = op.convert(op.gather(z, expert, op.constant(0)), half)
+        gs = op.gather(s, expert, op.constant(0))
+        flat = op.constant(np.array([shape[1], shape[2] * shape[3] // 2], np.int64))
+        return tuple(op.convert(op.reshape(op.multiply(op.subtract(h, gz), gs), flat, False), out_type)
+                     for h in halves)  # type: ignore[return-value]
 
-    gate = op.matmul(xs, projection("gate"), False, True)
-    up = op.matmul(xs, projection("up"), False, True)
-    down = op.matmul(op.multiply(op.swish(gate), up), projection("down"), False, True)
+    def split(a: Any) -> tuple[Any, Any]:
+        """Columns of `a` [n, in] at even and at odd positions, [n, in/2] each (groups are even
+        in size, so a pair never straddles two groups)."""
+        r = op.reshape(a, op.constant(np.array([0, -1, 2], np.int64)), True)
+        return tuple(op.squeeze(op.gather(r, op.constant(np.array([k], np.int64)), op.constant(2)),
+                                op.constant(2)) for k in (0, 1))  # type: ignore[return-value]
+
+    def projection(a: Any, name: str) -> Any:
+        even, odd = split(a)
+        w_even, w_odd = gathered(name)
+        return op.add(op.matmul(even, w_even, False, True), op.matmul(odd, w_odd, False, True))
+
+    gate = projection(xs, "gate")
+    up = projection(xs, "up")
+    down = projection(op.multiply(op.swish(gate), up), "down")
     scaled = op.multiply(down, op.unsqueeze(op.gather_nd(weight, rows), op.constant(1)))
     y_next = op.scatter_nd_update(b_y, rows, scaled, reduction="sum")
     loop = op.loop(trips, op.constant(True))
@@ -228,7 +295,11 @@ def wrap_blocks(model: Any, min_tokens: int, rewrite_then: Callable[[Any], None]
     memo: dict[str, bool] = {}
     for block in blocks:
         x2d = block.x2d
-        then_body, else_body, consumers, sources = _into_branches(model, block.out, x2d, memo)
+        # The router (top-k ids and weights) stays in the outer graph: the branches get its
+        # outputs, so a decode step's If holds only the experts.
+        router = _ancestors(block.idx.get_node()) | _ancestors(block.weights.get_node())
+        seeds = (block.idx.get_node(), block.weights.get_node())
+        then_body, else_body, consumers, sources = _into_branches(model, block.out, x2d, memo, router, seeds)
         if rewrite_then is not None:
             rewrite_then(then_body)
         tokens = op.gather(op.shape_of(x2d), op.constant(0), op.constant(0))
@@ -245,8 +316,85 @@ def wrap_blocks(model: Any, min_tokens: int, rewrite_then: Callable[[Any], None]
     return len(blocks)
 
 
+def _gate_block(model: Any, block: Any, memo: dict[str, bool]) -> None:
+    """Both paths in the outer graph, no `If` (whose body the plugin runs on one thread):
+
+        n = 1 if T >= MIN_TOKENS else T       rows for the exported (plugin-fused) block
+        y = concat(fused(rows[:n]), loop(rows)[n:])
+
+    The loop has no iteration below the threshold (decode: the fused block does everything,
+    the loop's slice is empty); above it the fused block runs one row and the loop the chunk."""
+    from openvino import opset15 as op
+
+    router = _ancestors(block.idx.get_node()) | _ancestors(block.weights.get_node())
+    seeds = (block.idx.get_node(), block.weights.get_node())
+    _, body, consumers, sources = _into_branches(model, block.out, block.x2d, memo, router, seeds)
+    outer = {p.get_name(): src for p, src in zip(body.get_parameters(), sources, strict=True)}
+    parts = _routed_parts(body)
+    hidden = block.x2d.get_partial_shape()[1].get_length()
+    experts = parts["gate"][0].get_output_shape(0)[0]
+
+    def src(param_output: Any) -> Any:
+        return outer[param_output.get_node().get_name()]
+
+    x, idx, weights = src(parts["x"]), src(parts["idx"]), src(parts["weights"])
+    tokens = op.gather(op.shape_of(x), op.constant(np.array([0], np.int64)), op.constant(0))
+    run = op.greater_equal(tokens, op.constant(np.array([MIN_TOKENS], np.int64)))
+    n = op.select(run, op.constant(np.array([1], np.int64)), tokens)
+    zero, big = op.constant(np.array([0], np.int64)), op.constant(np.array([np.iinfo(np.int64).max], np.int64))
+    one = op.constant(np.array([1], np.int64))
+
+    def head(v: Any) -> Any:
+        return op.slice(v, zero, n, one, op.constant(np.array([0], np.int64)))
+
+    # the fused block on the first n rows: its row-count-dependent inputs rebuilt for n rows
+    scatter = parts["idx"].get_target_inputs().pop().get_node()
+    new_src: dict[str, Any] = {
+        parts["x"].get_node().get_name(): head(x).output(0),
+        parts["idx"].get_node().get_name(): head(idx).output(0),
+        parts["weights"].get_node().get_name(): head(weights).output(0),
+        scatter.input_value(0).get_node().get_name(): op.broadcast(
+            op.convert(op.constant(np.float32(0)), scatter.input_value(0).get_element_type()),
+            op.concat([n, op.constant(np.array([experts], np.int64))], 0)).output(0),
+    }
+    for param in body.get_parameters():
+        name = param.get_name()
+        if name in new_src:
+            continue
+        if param.get_element_type().is_integral() and param.get_partial_shape().rank.get_length() == 1:
+            rank = param.get_partial_shape()[0].get_length()  # a reshape target [E, B, S(, H)]
+            dims = [op.constant(np.array([experts, 1], np.int64)), n]
+            if rank == 4:
+                dims.append(op.constant(np.array([hidden], np.int64)))
+            elif rank != 3:
+                raise RewriteError(f"unexpected reshape target of rank {rank} in the experts block")
+            new_src[name] = op.concat(dims, 0).output(0)
+        else:
+            raise RewriteError(f"unexpected input {name} of the experts block")
+    for param in body.get_parameters():
+        for target in list(param.output(0).get_target_inputs()):
+            target.replace_source_output(new_src[param.get_name()])
+    fused = op.reshape(body.get_results()[0].input_value(0), op.constant(np.array([-1, hidden], np.int64)), False)
+
+    loop_parts = dict(parts, x=x, idx=idx, weights=weights)
+    looped = op.slice(_expert_loop(loop_parts, op.squeeze(run, op.constant(0))), n, big, one,
+                      op.constant(np.array([0], np.int64)))
+    target = op.slice(src(parts["target"]), one, big, one)
+    out = op.reshape(op.concat([fused, looped], 0), target, False)
+    out.set_friendly_name(f"{block.out.get_friendly_name()}/{NAME}")
+    for consumer in consumers:
+        consumer.replace_source_output(out.output(0))
+
+
 def apply(model: Any) -> Any:
     """Rewrite every routed-experts block of `model` (before compile) in place; returns it."""
-    if not wrap_blocks(model, MIN_TOKENS, _loop_branch):
+    from kernels import grouped_experts
+
+    blocks = grouped_experts._blocks(model)
+    if not blocks:
         raise RewriteError("no routed-experts block of the exported pattern was found")
+    memo: dict[str, bool] = {}
+    for block in blocks:
+        _gate_block(model, block, memo)
+    model.validate_nodes_and_infer_types()
     return model

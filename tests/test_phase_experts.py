@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kernels import last_token_logits, phase_experts
 from tests.helpers import kernel_greedy
@@ -46,3 +47,23 @@ def test_greedy_generation_is_unchanged(tiny_dir: Path) -> None:
     prompt = tuple(range(1000, 1200))
     tokens = kernel_greedy(tiny_dir, "phase_experts", True, prompt, 32)[0]
     assert tokens == kernel_greedy(tiny_dir, "phase_experts", False, prompt, 32)[0]
+
+
+@pytest.mark.parametrize("tokens", [1, phase_experts.MIN_TOKENS - 1, phase_experts.MIN_TOKENS,
+                                    phase_experts.MIN_TOKENS + 1])
+def test_both_sides_of_the_threshold_are_kept(tiny_dir: Path, tokens: int) -> None:
+    """Below the threshold the fused block takes every row; from it on, the fused block one row
+    and the loop the others: the logits are the plain graph's either way."""
+    import openvino as ov
+
+    core = ov.Core()
+    out = []
+    for rewrite in (False, True):
+        model = last_token_logits.apply(core.read_model(tiny_dir / "openvino_model.xml"))
+        if rewrite:
+            phase_experts.apply(model)
+        request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+        names = {p.get_any_name() for p in model.inputs}
+        request.infer(stateful_feed(np.arange(300, 300 + tokens, dtype=np.int64), 0, names))
+        out.append(np.array(request.get_tensor("logits").data[0, -1]))
+    assert np.abs(out[0] - out[1]).max() <= 1e-4 * max(1.0, float(np.abs(out[0]).max()))
