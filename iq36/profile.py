@@ -28,8 +28,24 @@ class EngineSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     attention_backend: str | None = None
 
 
+class LongContextSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Prefill settings for prompts of at least `from_tokens` tokens (the long-context profile)."""
+
+    from_tokens: int
+    chunk_tokens: int
+
+
 class PrefillSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    chunk_tokens: int = 1024
+    chunk_tokens: int = 1024  # the short-context profile (every prompt when `long` is absent)
+    long: LongContextSection | None = None
+
+    def context(self, prompt_tokens: int) -> str:
+        """Which context profile a prompt of this length runs under: "short" or "long"."""
+        return "long" if self.long is not None and prompt_tokens >= self.long.from_tokens else "short"
+
+    def chunk_for(self, prompt_tokens: int) -> int:
+        """Tokens per prefill call for a prompt of this length (chosen here, never by the caller)."""
+        return self.long.chunk_tokens if self.context(prompt_tokens) == "long" else self.chunk_tokens  # type: ignore[union-attr]
 
 
 class LimitsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -116,6 +132,10 @@ def load(name_or_path: str) -> Profile:
         raise ProfileError(f"profile {path} is not valid TOML: {exc}") from None
     if prof.prefill.chunk_tokens <= 0:
         raise ProfileError(f"invalid profile {path}: prefill.chunk_tokens must be positive")
+    long = prof.prefill.long
+    if long is not None and (long.from_tokens <= 1 or long.chunk_tokens <= 0):
+        raise ProfileError(f"invalid profile {path}: prefill.long needs from_tokens > 1 and chunk_tokens > 0, "
+                           f"got {long.from_tokens} and {long.chunk_tokens}")
     bounds = {
         "prefix_cache.max_bytes": prof.prefix_cache.max_bytes,
         "prefix_cache.max_entries": prof.prefix_cache.max_entries,

@@ -166,6 +166,27 @@ def test_prefill_chunks_report_nothing_until_the_first_token(chunked: Engine,
     assert len(out.token_ids) == 1 and out.finished
 
 
+def test_prompt_length_picks_the_context_profile(tiny_dir: Path, f32_profile: Profile, stock: Engine,
+                                                 prompt: tuple[int, ...]) -> None:
+    """Prompts from `[prefill.long] from_tokens` on are fed in the long profile's chunks, shorter
+    ones in `[prefill]`'s; the tokens are stock's either way (the caller picks nothing)."""
+    from iq36.profile import LongContextSection
+
+    boundary = len(prompt) - 1
+    section = PrefillSection(chunk_tokens=CHUNK, long=LongContextSection(from_tokens=boundary, chunk_tokens=4))
+    engine = create("candidate", tiny_dir, msgspec.structs.replace(f32_profile, prefill=section))
+    try:
+        for ids, chunk in ((prompt[:boundary - 1], CHUNK), (prompt[:boundary], 4), (prompt, 4)):
+            engine.add(EngineRequest("b", ids, _greedy(max_tokens=1), reuse_prefix=False))
+            for _ in range(-(-len(ids) // chunk) - 1):
+                assert engine.step() == []
+            (out,) = engine.step()
+            want = tokens_of(run(stock, EngineRequest("s", ids, _greedy(max_tokens=1))), "s")
+            assert out.finished and out.token_ids == want
+    finally:
+        engine.close()
+
+
 def test_usage_counts_prompt_and_completion_tokens(engine: Engine, prompt: tuple[int, ...]) -> None:
     out = final(run(engine, EngineRequest("u", prompt, _greedy(max_tokens=7))), "u")
     assert (out.prompt_tokens, out.completion_tokens) == (len(prompt), 7)

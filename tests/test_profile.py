@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import profiles
 from iq36 import manifest
 from iq36.manifest import IdentityError, IdentityMode
-from iq36.profile import ProfileError, load
+from iq36.profile import PrefillSection, ProfileError, load
 from worker.identity import check
 
 
@@ -72,3 +73,26 @@ def test_identity_check_refuses_an_unexpected_profile(tiny_dir: Path) -> None:
 def test_profile_roundtrips_to_builtins() -> None:
     data = msgspec.to_builtins(load("cpu-f32"))
     assert data["engine"]["properties"]["INFERENCE_PRECISION_HINT"] == "f32"
+
+
+def test_context_profile_is_chosen_by_prompt_length() -> None:
+    for name in ("cpu", "cpu-f32"):
+        prefill = load(name).prefill
+        assert prefill.long is not None
+        b, short, long = prefill.long.from_tokens, prefill.chunk_tokens, prefill.long.chunk_tokens
+        assert [prefill.context(n) for n in (1, b - 1, b, 131072)] == ["short", "short", "long", "long"]
+        assert [prefill.chunk_for(n) for n in (b - 1, b, b + 1)] == [short, long, long]
+    bare = msgspec.structs.replace(load("cpu"), prefill=PrefillSection(chunk_tokens=64))
+    assert bare.prefill.context(131072) == "short" and bare.prefill.chunk_for(131072) == 64
+
+
+def test_long_context_section_is_validated(tmp_path: Path) -> None:
+    base = (profiles.DIR / "cpu.toml").read_text()
+    path = tmp_path / "bad-long.toml"
+    path.write_text(re.sub(r"(?m)^from_tokens = .*$", "from_tokens = 0", base))
+    with pytest.raises(ProfileError, match="from_tokens > 1"):
+        load(str(path))
+    path.write_text(re.sub(r"(?m)^from_tokens = .*$\n", "", base))
+    with pytest.raises(ProfileError, match="from_tokens"):
+        load(str(path))
+    assert load("cpu").hash != msgspec.structs.replace(load("cpu"), prefill=PrefillSection()).hash

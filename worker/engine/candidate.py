@@ -2,10 +2,11 @@
 
 One compiled model, one infer request, one request at a time. The IR is stateful (conv/ssm
 states of the Gated-DeltaNet layers, KV of the full-attention layers), so a request starts
-from an empty state (`reset_state()`), then its prompt is fed in chunks of
-`profile.prefill.chunk_tokens` — one chunk per `step()`, so an abort lands between chunks —
-and then one token per `step()`. Kernels from `kernels/` rewrite the IR before compile (see
-`_KERNELS`).
+from an empty state (`reset_state()`), then its prompt is fed in chunks — one chunk per
+`step()`, so an abort lands between chunks — and then one token per `step()`. The chunk size
+comes from the profile's context profile for the prompt's length (`[prefill]` for short
+prompts, `[prefill.long]` from its `from_tokens` on): the caller never pads or picks. Kernels
+from `kernels/` rewrite the IR before compile (see `_KERNELS`).
 
 Prefix-state reuse (`[prefix_cache]`, worker/prefix_cache.py): a request instead starts from
 a snapshot of the longest cached proper prefix of its prompt and prefills only the rest. The
@@ -18,7 +19,7 @@ taken at the start of the following `step()`, before anything changes the state,
 the first token nor the final output waits for the copy. `EngineRequest.reuse_prefix=False`
 neither reads nor fills the cache.
 
-Chunks end on multiples of `chunk_tokens`. A fresh prompt chunks exactly as before; after a
+Chunks end on multiples of the chunk size. A fresh prompt chunks exactly as before; after a
 restore at position p the first chunk is shorter (it ends at the next multiple), so every
 later chunk covers the same span, with the same shape, as in a fresh run of that prompt: the
 only computation that differs from a fresh run is the first partial chunk. It costs at most one
@@ -146,7 +147,6 @@ class CandidateEngine:
             self._prefill_compiled = core.compile_model(pmodel, profile.engine.device, properties)
             self._prefill_request = self._prefill_compiled.create_infer_request()
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
-        self._chunk = profile.prefill.chunk_tokens
         self._queue: deque[EngineRequest] = deque()
         self._running: _Running | None = None
         self._ready: list[StepOutput] = []  # outputs owed to the caller (e.g. queued aborts)
@@ -260,7 +260,7 @@ class CandidateEngine:
         ids = np.asarray(prompt, dtype=np.int64)
         fed = 0
         while fed < ids.size:
-            chunk = ids[fed:fed + self._chunk]
+            chunk = ids[fed:fed + self._chunk_for(ids.size)]
             logits = self._infer(chunk, fed)
             fed += chunk.size
         for i, token in enumerate(forced):
@@ -283,7 +283,8 @@ class CandidateEngine:
             return run.output([], "")
         if run.prefilling:
             start = run.fed
-            end = (start // self._chunk + 1) * self._chunk  # on the chunk grid
+            size = self._chunk_for(run.prompt.size)
+            end = (start // size + 1) * size  # on the chunk grid
             if start < run.turn_start < end:
                 end = run.turn_start  # stop there once, to keep the history's state (see _turn_start)
             ids = run.prompt[start:end]
@@ -303,6 +304,9 @@ class CandidateEngine:
         run.sampler.accept(token)
         text = run.stream.push(token)
         return run.output([token], text)
+
+    def _chunk_for(self, prompt_tokens: int) -> int:
+        return self.profile.prefill.chunk_for(prompt_tokens)
 
     def _compiler(self) -> GrammarCompiler:
         if self._grammar is None:
