@@ -34,7 +34,12 @@ def test_smoke_gate_writes_all_outputs_and_claims_nothing(tiny_dir: Path, tmp_pa
         cor = case["correctness"]
         assert cor["greedy_match"] is True and cor["top1_agreement"] >= 0.99 and cor["max_kld"] <= 0.005
         assert [n["length"] for n in case["near_boundary"]] == [49, 89, 95]
+        roof = case["roofline"]
+        # (no upper bound: dev-tiny's 41 MB per token partly stays in the CPU's caches)
+        assert roof["bytes_per_token"] > roof["lm_head_bytes"] > 0 and roof["candidate_share"] > 0
+    assert report["bandwidth"]["read_bandwidth_bytes_s"] > 0
     assert "smoke run" in (out / "report.md").read_text()
+    assert "memory-bandwidth roofline" in (out / "report.md").read_text()
     for png in ("ratios.png", "tpot.png", "memory.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     # a finished gate resumes to the same report without running anything again
@@ -89,6 +94,14 @@ def test_a_failed_correctness_case_makes_a_complete_gate_not_claimable(tmp_path:
     report = build_report(opts, tmp_path, sessions)
     assert report["complete"] and report["verdict"] == "claimable"
     assert report["cases"][0]["prefill_lcb"] == pytest.approx(1.2)
+    assert report["bandwidth"] is None and "roofline" not in report["cases"][0]
+    # decode against the roofline: rate / (read bandwidth / bytes a token reads)
+    (tmp_path / "roofline.json").write_text(json.dumps({"threads": 2, "read_bandwidth_bytes_s": 1e10,
+                                                        "copy_bandwidth_bytes_s": 1e10}))
+    roof = build_report(opts, tmp_path, sessions)["cases"][0]["roofline"]
+    assert roof["tok_s"] == pytest.approx(1e10 / roof["bytes_per_token"])
+    assert roof["candidate_share"] == pytest.approx(12.0 / roof["tok_s"])
+    assert roof["baseline_share"] == pytest.approx(10.0 / roof["tok_s"])
     (tmp_path / "correctness.jsonl").write_text(json.dumps({**good, "greedy_match": False, "passed": False}) + "\n")
     assert build_report(opts, tmp_path, sessions)["verdict"] == "not-claimable"
 
@@ -98,6 +111,13 @@ def test_bench_reports_rates_and_op_tables(tiny_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["length"] == 64 and row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+    roof = run_cli("bench", "--model", str(tiny_dir), "--lengths", "64", "--runs", "1", "--output-tokens", "4",
+                   "--roofline")
+    assert roof.returncode == 0, roof.stderr[-2000:]
+    rate, line = (json.loads(x) for x in roof.stdout.strip().splitlines()[-2:])
+    r = line["roofline"]
+    assert r["bytes_per_token"]["total"] > 0 and r["read_bandwidth_bytes_s"] > 0
+    assert r["decode"]["candidate"]["share"] == pytest.approx(rate["decode_tok_s"] / r["roofline_tok_s"])
     ops = run_cli("bench", "--model", str(tiny_dir), "--lengths", "64", "--ops")
     assert ops.returncode == 0, ops.stderr[-2000:]
     tables = [json.loads(line) for line in ops.stdout.strip().splitlines()]

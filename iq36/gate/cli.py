@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--ops", action="store_true",
                    help="candidate only: per-op-type time of one prefill and one decode step (PERF_COUNT)")
+    p.add_argument("--roofline", action="store_true",
+                   help="also probe this machine's read bandwidth (STREAM-style, the engine's thread count) "
+                   "and report decode against the memory-bandwidth roofline")
     p.set_defaults(func=cmd_bench)
 
 
@@ -127,6 +131,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
         summary = {k: float(np.median([r[k] for r in mine])) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")}
         print(json.dumps({"engine": args.engine, "length": n, "runs": len(mine), **summary,
                           "peak_rss_bytes": max(r["peak_rss_bytes"] for r in mine)}))
+        if args.roofline:
+            from iq36.gate import roofline
+            from iq36.profile import load
+
+            threads = int(load(args.profile).engine.properties.get("INFERENCE_NUM_THREADS", 0)) or len(
+                os.sched_getaffinity(0))
+            # decode runs between n and n + output tokens of context: count the KV at the midpoint
+            print(json.dumps({"length": n, "roofline": roofline.report(
+                model_dir, n + args.output_tokens // 2, threads, {args.engine: summary["decode_tok_s"]})}))
 
 
 def _op_tables(model_dir: Path, args: argparse.Namespace) -> None:
@@ -151,7 +164,7 @@ def _op_tables(model_dir: Path, args: argparse.Namespace) -> None:
         try:
             rows = engine.forced_logits(prompt, [prompt[-1], prompt[-1]])
             next(rows)  # the prefill ran, in k chunks
-            k = -(-n // profile.prefill.chunk_tokens)
+            k = -(-n // profile.prefill.chunk_for(n))
             avg_k = engine.op_profile()  # the plugin reports averages over all inferences so far
             next(rows)  # one decode step
             avg_k1 = engine.op_profile()

@@ -153,6 +153,9 @@ def build_report(opts: Any, out: Path, sessions: list[Any]) -> dict[str, Any]:
         worst = {k: min((c[k] for c in mine if c[k] is not None), default=None)
                  for k in ("prefill_lcb", "decode_lcb", "total_lcb")}
         buckets.append({"bucket": bucket, **worst})
+    bandwidth = json.loads((out / "roofline.json").read_text()) if (out / "roofline.json").exists() else None
+    if bandwidth is not None:
+        _add_roofline(opts, cases, bandwidth)
     correctness_ok = all(c["correctness"] is not None and c["correctness"]["passed"] for c in cases)
     complete = all(c["raw"]["candidate"]["runs"] >= 2 * opts.blocks for c in cases)
     verdict = "smoke" if opts.smoke else ("claimable" if correctness_ok and complete else "not-claimable")
@@ -166,7 +169,25 @@ def build_report(opts: Any, out: Path, sessions: list[Any]) -> dict[str, Any]:
         "identities": _identities(opts),
         "buckets": buckets,
         "cases": cases,
+        "bandwidth": bandwidth,
     }
+
+
+def _add_roofline(opts: Any, cases: list[dict[str, Any]], bandwidth: dict[str, Any]) -> None:
+    """Each case's decode rates as a share of the memory-bandwidth roofline at its context
+    (iq36/gate/roofline.py: bytes one token must read / measured read bandwidth)."""
+    from iq36.gate import roofline
+
+    per_bucket: dict[int, Any] = {}
+    for c in cases:
+        context = c["bucket"] + opts.output_tokens // 2  # decode runs from bucket to bucket + output
+        if c["bucket"] not in per_bucket:
+            per_bucket[c["bucket"]] = roofline.bytes_per_token(Path(opts.model_dir), context)
+        tb = per_bucket[c["bucket"]]
+        roof = bandwidth["read_bandwidth_bytes_s"] / tb.total
+        rates = {role: c["raw"][role]["decode_tok_s"] for role in ("candidate", "baseline")}
+        c["roofline"] = {"bytes_per_token": tb.total, "lm_head_bytes": tb.lm_head, "tok_s": roof,
+                         **{f"{role}_share": (rate / roof if rate else None) for role, rate in rates.items()}}
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -221,6 +242,21 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{_fmt(c['jitter']['max'])} | {_fmt((c['peak_rss_bytes'] or 0) / 2**20, '.0f')} | "
             f"{cor.get('greedy_match', '—')} | {_fmt(cor.get('top1_agreement'), '.3f')} | "
             f"{_fmt(cor.get('max_kld'), '.2e')} | {cor.get('sentinel_stock')}/{cor.get('sentinel_candidate')} |")
+    bw = report.get("bandwidth")
+    if bw:
+        lines += ["", "## Decode against the memory-bandwidth roofline", "",
+                  f"Read bandwidth {bw['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s at {bw['threads']} threads "
+                  f"(STREAM-style probe; copy {bw['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s). Roofline = "
+                  "bandwidth / bytes one decode step must read (weights with top-k experts, recurrent state, "
+                  "KV at the bucket's context).", "",
+                  "| bucket | class | MB/token (LM head) | roofline tok/s | candidate share | baseline share |",
+                  "|---|---|---|---|---|---|"]
+        for c in report["cases"]:
+            r = c.get("roofline")
+            if r:
+                lines.append(f"| {c['bucket']} | {c['prompt_class']} | {r['bytes_per_token'] / 1e6:.0f} "
+                             f"({r['lm_head_bytes'] / 1e6:.0f}) | {r['tok_s']:.1f} | "
+                             f"{_fmt(r['candidate_share'])} | {_fmt(r['baseline_share'])} |")
     lines += ["", "## Near-boundary prefill (rate / exact bucket's rate)", "",
               "| bucket | length | candidate | baseline |", "|---|---|---|---|"]
     seen = set()

@@ -166,6 +166,10 @@ def run(opts: GateOptions, out: Path, resume: bool = False, progress: bool = Tru
         options_file.write_bytes(msgspec.json.format(msgspec.json.encode(opts)))
         machine_file.write_text(json.dumps(machine, indent=1) + "\n")
 
+    roofline_file = out / "roofline.json"
+    if not roofline_file.exists():
+        # once per gate, before any timed run (the probe keeps both cores busy for seconds)
+        roofline_file.write_text(json.dumps(measure_bandwidth(opts.profile), indent=1) + "\n")
     sessions = plan(opts)
     records = _read_jsonl(runs_file)
     done = {r["session_done"] for r in records if "session_done" in r}
@@ -205,6 +209,18 @@ def run(opts: GateOptions, out: Path, resume: bool = False, progress: bool = Tru
     finally:
         bar.close()
     return write_report(opts, out, sessions)
+
+
+def measure_bandwidth(profile_name: str) -> dict[str, Any]:
+    """This machine's read and copy bandwidth at the candidate's thread count (decode roofline)."""
+    import os
+
+    from iq36.gate import roofline
+    from iq36.profile import load
+
+    threads = int(load(profile_name).engine.properties.get("INFERENCE_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
+    return {"threads": threads, "read_bandwidth_bytes_s": roofline.read_bandwidth(threads),
+            "copy_bandwidth_bytes_s": roofline.copy_bandwidth(threads)}
 
 
 def machine_identity() -> dict[str, Any]:
