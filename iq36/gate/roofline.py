@@ -45,9 +45,10 @@ class TokenBytes:
 
 
 def _const_bytes(node: Any, seen: set[str]) -> int:
-    """Bytes of the constants feeding `node` only through constant-only paths (its weight chain)."""
-    total = 0
-    stack = [node]
+    """Bytes of the constants feeding `node` through constant-only paths (its weight chain)."""
+    from kernels.phase_experts import _constant_only
+
+    total, stack, memo = 0, [node], {}
     while stack:
         n = stack.pop()
         if n.get_name() in seen:
@@ -56,28 +57,9 @@ def _const_bytes(node: Any, seen: set[str]) -> int:
         if n.get_type_name() == "Constant":
             total += int(n.get_byte_size())
             continue
-        for i in range(n.get_input_size()):
-            src = n.input_value(i).get_node()
-            if src.get_type_name() in ("Constant", "Convert", "Subtract", "Multiply", "Reshape", "Unsqueeze",
-                                       "Transpose"):
-                if _constant_only(src):
-                    stack.append(src)
+        stack.extend(src for i in range(n.get_input_size())
+                     if _constant_only(src := n.input_value(i).get_node(), memo))
     return total
-
-
-def _constant_only(node: Any) -> bool:
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n.get_name() in seen:
-            continue
-        seen.add(n.get_name())
-        if n.get_type_name() == "Constant":
-            continue
-        if n.get_input_size() == 0:
-            return False
-        stack.extend(n.input_value(i).get_node() for i in range(n.get_input_size()))
-    return True
 
 
 def bytes_per_token(model_dir: Path, context: int, kv_bytes_per_value: float = 1.0) -> TokenBytes:
