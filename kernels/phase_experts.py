@@ -18,6 +18,14 @@ matmuls on its tokens only and scatter-adds the weighted result back. The router
 was; both paths read its top-k ids and weights. There is no `If`: the plugin runs an `If`
 body on one thread, which cost decode 1.5-2.5 ms per MoE layer (docs/perf-log.md).
 
+The rewritten model has one more input, `TICK` (u8 `[k]`, contents unused): the caller must
+give it a different shape than at its previous inference (`worker.reference.stateful_feed`
+alternates k = 1, 2). The CPU plugin re-binds a Loop's body to its outer memory only when the
+Loop's input shapes change; when they do not but the outer memory moved (it does as the KV
+cache grows), the body reads the old buffers. Equal-shaped prefill chunks then came out wrong
+from the 3rd-6th chunk on (the 131,072-token bug, docs/perf-log.md). The loop's continue
+condition reads the tick's shape, so the plugin cannot drop it.
+
 Nothing depends on the expert or layer count. Same math as the block, in another summation
 order (~1e-6 relative in f32, `tests/test_phase_experts.py`).
 """
@@ -32,6 +40,7 @@ import numpy as np
 
 NAME = "phase_experts"
 MIN_TOKENS = 16  # below this a chunk takes the fused path (the loop's per-expert cost dominates)
+TICK = "iq36_tick"  # an extra input whose shape must change at every inference (see above)
 
 
 class RewriteError(RuntimeError):
@@ -186,9 +195,10 @@ def _unpack_u4(rows: Any, const: Any) -> Any:
     return op.reshape(pairs, op.constant(shape), False)
 
 
-def _expert_loop(parts: dict[str, Any], run: Any = None) -> Any:
+def _expert_loop(parts: dict[str, Any], run: Any = None, tick: Any = None) -> Any:
     """[T, H]: the routed experts computed token-grouped, one Loop iteration per present expert
-    (no iteration, zeros, where the boolean `run` is false)."""
+    (no iteration, zeros, where the boolean `run` is false). `tick`: the `TICK` parameter, read
+    by the body's continue condition (see `TICK`)."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -222,6 +232,13 @@ def _expert_loop(parts: dict[str, Any], run: Any = None) -> Any:
     body_params = [i, b_present, b_x, b_idx, b_w, b_y]
     invariants: list[tuple[Any, Any]] = [(b_present, present), (b_x, x), (b_idx, idx.output(0)),
                                          (b_w, weights.output(0))]
+    go: Any = op.constant(True)
+    if tick is not None:  # always true, but the plugin cannot know: the tick's shape is an input
+        b_tick = op.parameter([-1], ov.Type.u8, name="tick")
+        body_params.append(b_tick)
+        invariants.append((b_tick, tick))
+        go = op.greater_equal(op.gather(op.shape_of(b_tick), op.constant(0), op.constant(0)),
+                              op.constant(np.int64(0)))
 
     def gathered(name: str) -> tuple[Any, Any]:
         """The expert's decompressed weights `[out, in/2]` for the even and the odd positions
@@ -261,7 +278,7 @@ def _expert_loop(parts: dict[str, Any], run: Any = None) -> Any:
     scaled = op.multiply(down, op.unsqueeze(op.gather_nd(weight, rows), op.constant(1)))
     y_next = op.scatter_nd_update(b_y, rows, scaled, reduction="sum")
     loop = op.loop(trips, op.constant(True))
-    loop.set_function(ov.Model([op.constant(True), y_next], body_params, "expert_loop"))
+    loop.set_function(ov.Model([go, y_next], body_params, "expert_loop"))
     loop.set_special_body_ports([0, 0])
     for param, value in invariants:
         loop.set_invariant_input(param, value)
@@ -316,7 +333,7 @@ def wrap_blocks(model: Any, min_tokens: int, rewrite_then: Callable[[Any], None]
     return len(blocks)
 
 
-def _gate_block(model: Any, block: Any, memo: dict[str, bool]) -> None:
+def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any) -> None:
     """Both paths in the outer graph, no `If` (whose body the plugin runs on one thread):
 
         n = 1 if T >= MIN_TOKENS else T       rows for the exported (plugin-fused) block
@@ -377,7 +394,7 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool]) -> None:
     fused = op.reshape(body.get_results()[0].input_value(0), op.constant(np.array([-1, hidden], np.int64)), False)
 
     loop_parts = dict(parts, x=x, idx=idx, weights=weights)
-    looped = op.slice(_expert_loop(loop_parts, op.squeeze(run, op.constant(0))), n, big, one,
+    looped = op.slice(_expert_loop(loop_parts, op.squeeze(run, op.constant(0)), tick), n, big, one,
                       op.constant(np.array([0], np.int64)))
     target = op.slice(src(parts["target"]), one, big, one)
     out = op.reshape(op.concat([fused, looped], 0), target, False)
@@ -393,8 +410,14 @@ def apply(model: Any) -> Any:
     blocks = grouped_experts._blocks(model)
     if not blocks:
         raise RewriteError("no routed-experts block of the exported pattern was found")
+    import openvino as ov
+    from openvino import opset15 as op
+
+    tick = op.parameter([-1], ov.Type.u8, name=TICK)
+    tick.output(0).get_tensor().set_names({TICK})
     memo: dict[str, bool] = {}
     for block in blocks:
-        _gate_block(model, block, memo)
+        _gate_block(model, block, memo, tick.output(0))
+    model.add_parameters([tick])
     model.validate_nodes_and_infer_types()
     return model

@@ -37,6 +37,7 @@ def main() -> int:
     xml = resolve_model(args.model) / "openvino_model.xml"
     modes = args.modes.split(",")
     requests = {}
+    names: dict[str, set[str]] = {}
     for mode in modes:
         model = last_token_logits.apply(core.read_model(xml))
         if mode == "phase":
@@ -49,7 +50,7 @@ def main() -> int:
         if args.threads:
             props["INFERENCE_NUM_THREADS"] = args.threads
         requests[mode] = core.compile_model(model, "CPU", props).create_infer_request()
-    names = {port.get_any_name() for port in core.read_model(xml).inputs}
+        names[mode] = {port.get_any_name() for port in model.inputs}
     rng = np.random.default_rng(0)
 
     def once(mode: str) -> tuple[float, list[float]]:
@@ -57,12 +58,12 @@ def main() -> int:
         req.reset_state()
         ids = rng.integers(1000, 100000, args.tokens).astype(np.int64)
         t0 = time.perf_counter()
-        req.infer(stateful_feed(ids, 0, names))
+        req.infer(stateful_feed(ids, 0, names[mode], 0))
         prefill = time.perf_counter() - t0
         steps = []
         for k in range(args.decode):
             t0 = time.perf_counter()
-            req.infer(stateful_feed(np.array([7 + k], np.int64), args.tokens + k, names))
+            req.infer(stateful_feed(np.array([7 + k], np.int64), args.tokens + k, names[mode], 1 + k))
             steps.append(time.perf_counter() - t0)
         return prefill, steps
 

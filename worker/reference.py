@@ -12,8 +12,14 @@ from typing import Any
 import numpy as np
 
 
-def stateful_feed(ids: np.ndarray, past: int, input_names: set[str]) -> dict[str, np.ndarray]:
-    """Inputs of an optimum-intel stateful IR for `ids` fed after `past` tokens of state."""
+TICK = "iq36_tick"  # kernels.phase_experts.TICK (not imported: that would pull in the kernels)
+
+
+def stateful_feed(ids: np.ndarray, past: int, input_names: set[str], call: int | None = None) -> dict[str, np.ndarray]:
+    """Inputs of an optimum-intel stateful IR for `ids` fed after `past` tokens of state.
+
+    `call`: how many inferences this infer request has run before; required by a model rewritten
+    with a tick input (kernels/phase_experts.py), whose shape it alternates."""
     n = int(ids.size)
     feed: dict[str, np.ndarray] = {
         "input_ids": ids.reshape(1, n).astype(np.int64, copy=False),
@@ -23,6 +29,10 @@ def stateful_feed(ids: np.ndarray, past: int, input_names: set[str]) -> dict[str
         feed["position_ids"] = np.arange(past, past + n, dtype=np.int64).reshape(1, n)
     if "beam_idx" in input_names:
         feed["beam_idx"] = np.zeros((1,), dtype=np.int32)
+    if TICK in input_names:
+        if call is None:
+            raise ValueError(f"the model has a '{TICK}' input: pass the request's inference count as `call`")
+        feed[TICK] = np.zeros((1 + call % 2,), dtype=np.uint8)
     return feed
 
 

@@ -147,6 +147,7 @@ class CandidateEngine:
             self._prefill_compiled = core.compile_model(pmodel, profile.engine.device, properties)
             self._prefill_request = self._prefill_compiled.create_infer_request()
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
+        self._calls: dict[int, int] = {}  # inferences per infer request (`stateful_feed`'s `call`)
         self._queue: deque[EngineRequest] = deque()
         self._running: _Running | None = None
         self._ready: list[StepOutput] = []  # outputs owed to the caller (e.g. queued aborts)
@@ -390,7 +391,9 @@ class CandidateEngine:
         elif request is not self._live:
             _move_state(self._live, request)
             self._live = request
-        request.infer(stateful_feed(ids, past, self._inputs))
+        calls = self._calls.get(id(request), 0)
+        self._calls[id(request)] = calls + 1
+        request.infer(stateful_feed(ids, past, self._inputs, calls))
         return request.get_tensor("logits").data[0, -1]
 
     def _reset_state(self) -> None:
