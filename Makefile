@@ -15,13 +15,14 @@ PORT ?= 8000
 PROFILE ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: help setup models serve test lint clean-venv
+.PHONY: help setup native models serve test lint clean-venv
 
 help:
 	@echo "make serve   set up, build dev-tiny if needed, start the service on http://$(HOST):$(PORT)"
 	@echo "             (MODEL=dev-tiny|dev-bench|dev-bench-256|DIR  ENGINE=candidate|stock  PORT=8000)"
 	@echo "make test    set up, build the test models if needed, run the whole test suite"
 	@echo "make setup   create .venv with the pinned runtime, builder and test dependencies"
+	@echo "make native  build iq36's OpenVINO extension ops (g++; cached by content, also built on first use)"
 	@echo "make lint    ruff"
 
 setup: $(STAMP)
@@ -35,11 +36,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip uninstall --quiet --yes torchvision 2>/dev/null || true
 	touch $@
 
-models: setup
+native: setup
+	$(BIN)/python -m kernels.native
+
+models: native
 	$(IQ36) model build dev-tiny
 	$(IQ36) model build dev-tiny-f32
 
-serve: setup
+serve: native
 	$(if $(filter dev-%,$(MODEL)),$(IQ36) model build $(MODEL),)
 	$(IQ36) serve --model $(MODEL) --engine $(ENGINE) --profile $(PROFILE) --host $(HOST) --port $(PORT)
 

@@ -333,7 +333,7 @@ def wrap_blocks(model: Any, min_tokens: int, rewrite_then: Callable[[Any], None]
     return len(blocks)
 
 
-def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any) -> None:
+def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native: bool = False) -> None:
     """Both paths in the outer graph, no `If` (whose body the plugin runs on one thread):
 
         n = 1 if T >= MIN_TOKENS else T       rows for the exported (plugin-fused) block
@@ -394,8 +394,14 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any) -> Non
     fused = op.reshape(body.get_results()[0].input_value(0), op.constant(np.array([-1, hidden], np.int64)), False)
 
     loop_parts = dict(parts, x=x, idx=idx, weights=weights)
-    looped = op.slice(_expert_loop(loop_parts, op.squeeze(run, op.constant(0)), tick), n, big, one,
-                      op.constant(np.array([0], np.int64)))
+    if native:  # the native op computes rows [n, T) and leaves rows [0, n) at zero
+        from kernels import native as native_ops
+
+        consts = [c.output(0) for name in ("gate", "up", "down") for c in parts[name][:3]]
+        rest = native_ops.factory().create("U4Experts", [x, idx, weights, n.output(0), *consts]).output(0)
+    else:
+        rest = _expert_loop(loop_parts, op.squeeze(run, op.constant(0)), tick)
+    looped = op.slice(rest, n, big, one, op.constant(np.array([0], np.int64)))
     target = op.slice(src(parts["target"]), one, big, one)
     out = op.reshape(op.concat([fused, looped], 0), target, False)
     out.set_friendly_name(f"{block.out.get_friendly_name()}/{NAME}")
@@ -403,8 +409,11 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any) -> Non
         consumer.replace_source_output(out.output(0))
 
 
-def apply(model: Any) -> Any:
-    """Rewrite every routed-experts block of `model` (before compile) in place; returns it."""
+def apply(model: Any, native: bool = False) -> Any:
+    """Rewrite every routed-experts block of `model` (before compile) in place; returns it.
+
+    `native`: the rows from n on go to the native `U4Experts` op (kernels/native) instead of the
+    Loop; then there is no Loop, and no tick input."""
     from kernels import grouped_experts
 
     blocks = grouped_experts._blocks(model)
@@ -417,7 +426,8 @@ def apply(model: Any) -> Any:
     tick.output(0).get_tensor().set_names({TICK})
     memo: dict[str, bool] = {}
     for block in blocks:
-        _gate_block(model, block, memo, tick.output(0))
-    model.add_parameters([tick])
+        _gate_block(model, block, memo, tick.output(0), native)
+    if not native:
+        model.add_parameters([tick])
     model.validate_nodes_and_infer_types()
     return model

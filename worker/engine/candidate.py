@@ -55,6 +55,12 @@ def _last_token_logits(model: Any) -> Any:
     return last_token_logits.apply(model)
 
 
+def _lm_head_u8(model: Any) -> Any:
+    from kernels import lm_head_u8
+
+    return lm_head_u8.apply(model)
+
+
 def _perturb_embeddings(model: Any) -> Any:
     from kernels import perturb
 
@@ -67,6 +73,12 @@ def _phase_experts(model: Any) -> Any:
     return phase_experts.apply(model)
 
 
+def _native_experts(model: Any) -> Any:
+    from kernels import native_experts
+
+    return native_experts.apply(model)
+
+
 def _grouped_experts(model: Any) -> Any:
     from kernels import grouped_experts
 
@@ -76,11 +88,17 @@ def _grouped_experts(model: Any) -> Any:
 # name -> (rewrite, default when the profile's [kernels] table does not name it)
 _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "last_token_logits": (_last_token_logits, True),
+    # the int8 LM head as one native GEMV (kernels/lm_head_u8.py; after last_token_logits)
+    "lm_head_u8": (_lm_head_u8, False),
     # deliberately wrong; only for proving the correctness gate fails (kernels/perturb.py)
     "perturb_embeddings": (_perturb_embeddings, False),
     # experimental (issue #7): token-grouped experts for prefill chunks inside one graph
     "phase_experts": (_phase_experts, False),
+    # phase_experts' layout with the native U4Experts op in place of its Loop (CPU, kernels/native)
+    "native_experts": (_native_experts, False),
 }
+# Kernels that rewrite the same blocks: at most one of each group may be on.
+_EXCLUSIVE = ({"phase_experts", "native_experts"},)
 
 # Rewrites that pay off only for chunks of many tokens: applied to a second compiled model used
 # for prefill chunks (> 1 token), while single tokens (decode) run the main one. The model state
@@ -89,6 +107,9 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "grouped_experts": (_grouped_experts, False),
 }
+
+
+_NATIVE_OPS = {"U8Linear", "U4Experts"}  # kernels/native ops a rewrite may insert
 
 
 class _Running:
@@ -125,6 +146,11 @@ class CandidateEngine:
         xml = self.model_dir / "openvino_model.xml"
         model = core.read_model(xml)
         self.kernels: list[str] = []
+        for group in _EXCLUSIVE:
+            on = sorted(name for name in group if profile.kernels.get(name, _KERNELS[name][1]))
+            if len(on) > 1:
+                raise ValueError(f"profile {profile.name}: kernels {' and '.join(on)} rewrite the same blocks; "
+                                 "turn all but one off in [kernels]")
         for name, (rewrite, default) in _KERNELS.items():
             if profile.kernels.get(name, default):
                 model = rewrite(model)
@@ -133,6 +159,10 @@ class CandidateEngine:
         vocab = model.output("logits").get_partial_shape()[-1]
         self.vocab_size = vocab.get_length() if vocab.is_static else read_vocab_size(self.model_dir)
         properties = dict(profile.engine.properties)
+        if any(op.get_type_name() in _NATIVE_OPS for op in model.get_ops()):
+            from kernels import native
+
+            native.register(core)  # compiling does not need it; importing a cached blob would
         self._compiled = core.compile_model(model, profile.engine.device, properties)
         self._request = self._compiled.create_infer_request()
         self._prefill_request: Any = None

@@ -1,0 +1,133 @@
+"""iq36's OpenVINO extension ops (kernels/native/*.cpp): built here, loaded here.
+
+The library is compiled with the system C++ compiler against the headers and libraries of the
+installed openvino wheel (no other build dependency), into the cache, keyed by the sources, the
+openvino version, the compiler and the flags: `make setup` builds it, and the first use builds
+it if it is missing (a few seconds). The ops are CPU ops (they run through the CPU plugin's
+`evaluate`) and need AVX2, FMA and F16C.
+
+    python -m kernels.native          build (if needed) and print the library's path
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SOURCES = sorted((Path(__file__).parent / "native").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "native").glob("*.hpp"))
+LIBRARY = "libiq36_ops.so"
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fvisibility=hidden",
+         "-DNDEBUG"]
+CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+class NativeError(RuntimeError):
+    pass
+
+
+def _openvino_dir() -> Path:
+    import openvino
+
+    return Path(openvino.__file__).parent
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise NativeError("no C++ compiler: install g++ (Debian/Ubuntu: `apt-get install g++`)")
+    return cxx
+
+
+def _libraries(ov: Path) -> list[str]:
+    """The wheel's openvino and tbb shared objects (versioned names: no unversioned symlinks)."""
+    libs = ov / "libs"
+    found = []
+    for stem in ("libopenvino.so", "libtbb.so"):
+        matches = sorted(p for p in libs.glob(f"{stem}.*") if p.name.count(".") == 2)
+        if not matches:
+            raise NativeError(f"{stem}.* not found in {libs}: is the openvino wheel installed?")
+        found.append(str(matches[-1]))
+    return found
+
+
+def cpu_supported() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return all(f in flags for f in CPU_FLAGS)
+    return False
+
+
+def _key(cxx: str, ov: Path) -> str:
+    import openvino
+
+    h = hashlib.sha256()
+    for src in [*SOURCES, *HEADERS]:
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    h.update("\0".join([openvino.__version__, version, *FLAGS, str(ov)]).encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def library() -> Path:
+    """The built library (building it first if the cache has none for these sources)."""
+    from iq36 import paths
+
+    if not cpu_supported():
+        raise NativeError(f"iq36's native ops need a CPU with {', '.join(CPU_FLAGS)}")
+    ov = _openvino_dir()
+    cxx = _compiler()
+    out = paths.home() / "native" / _key(cxx, ov) / LIBRARY
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / LIBRARY
+        cmd = [cxx, *FLAGS, f"-I{ov / 'include'}", *map(str, SOURCES), *_libraries(ov),
+               f"-Wl,-rpath,{ov / 'libs'}", "-o", str(partial)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise NativeError(f"building {LIBRARY} failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        os.replace(partial, out)  # atomic: a concurrent build of the same key writes the same bytes
+    return out
+
+
+@functools.cache
+def factory() -> Any:
+    """An openvino NodeFactory that can create iq36's ops (`factory().create("U8Linear", ...)`)."""
+    from openvino.utils.node_factory import NodeFactory
+
+    f = NodeFactory()
+    f.add_extension(str(library()))
+    return f
+
+
+def register(core: Any) -> None:
+    """Let `core` compile and import models holding iq36's ops."""
+    core.add_extension(str(library()))
+
+
+def main() -> int:
+    try:
+        print(library())
+    except NativeError as exc:
+        print(f"iq36: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+// iq36 native ops: OpenVINO extension operations for the CPU device, built by kernels/native.py
+// (`make setup` or on first use) from the openvino wheel's own headers and libraries.
+//
+// The CPU plugin runs an extension op through `evaluate()` on the plugin's thread; the op
+// parallelises itself with TBB, the plugin's own threading runtime, so it shares its workers.
+//
+// The ops: U8Linear (u8_linear.hpp: the int8 LM head's GEMV) and U4Experts (u4_experts.hpp: a
+// MoE block's routed experts for a chunk of tokens, on the u4 weights).
+
+#include "u8_linear.hpp"
+#include "u4_experts.hpp"
+
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
+    std::make_shared<ov::OpExtension<iq36::U8Linear>>(),
+    std::make_shared<ov::OpExtension<iq36::U4Experts>>(),
+}));

@@ -1,0 +1,26 @@
+"""Kernel `native_experts`: `phase_experts` with the native `U4Experts` op in place of its Loop.
+
+The layout is `phase_experts`' (kernels/phase_experts.py): the exported, plugin-fused block runs
+the first n rows of a chunk (n = the chunk below `MIN_TOKENS` tokens, else 1), and the other
+rows go to the token-grouped path. Here that path is one extension op (kernels/native/
+u4_experts.hpp) that buckets the rows by expert and multiplies them with each expert's u4
+weights decompressed tile by tile in cache, instead of a Loop that decompresses whole experts to
+f32 in memory before a MatMul. The op reads the block's own constants: no copy of the weights.
+Decode (one row) never reaches it.
+
+CPU only; mutually exclusive with `phase_experts` (the engine refuses both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAME = "native_experts"
+
+
+def apply(model: Any) -> Any:
+    from kernels import native, phase_experts
+
+    if not native.cpu_supported():
+        raise phase_experts.RewriteError(f"{NAME} needs a CPU with {', '.join(native.CPU_FLAGS)}")
+    return phase_experts.apply(model, native=True)

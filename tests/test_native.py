@@ -1,0 +1,228 @@
+"""iq36's native extension ops (kernels/native) and the kernels built on them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import last_token_logits, lm_head_u8, native
+from tests.helpers import kernel_greedy
+from worker.reference import stateful_feed
+
+pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
+
+
+def _u8_linear(x: np.ndarray, w: np.ndarray, zp: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    import openvino as ov
+    from openvino import opset15 as op
+
+    core = ov.Core()
+    native.register(core)
+    p = op.parameter(list(x.shape), np.float32, name="x")
+    y = native.factory().create("U8Linear", [p, op.constant(w), op.constant(zp), op.constant(scale)])
+    request = core.compile_model(ov.Model([y], [p]), "CPU").create_infer_request()
+    return np.array(request.infer({"x": x})[0])
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 40), (2, 1, 17)])
+@pytest.mark.parametrize("rows", [1, 7, 64, 131])
+def test_u8_linear_is_the_decompressed_matmul(shape: tuple[int, ...], rows: int) -> None:
+    """Every row (blocks of 4 and the remainder) and every column (16-wide steps and the tail),
+    any leading dims, f16 scales: y = ((w - zp) * scale) @ x, to f32 rounding."""
+    rng = np.random.default_rng(rows * shape[-1])
+    k = shape[-1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+    zp = rng.integers(0, 256, (rows, 1), dtype=np.uint8)
+    scale = (rng.random((rows, 1)) * 0.02 + 0.001).astype(np.float16)
+    expected = x.astype(np.float64) @ ((w.astype(np.float64) - zp) * scale.astype(np.float64)).T
+    got = _u8_linear(x, w, zp, scale)
+    assert got.shape == (*shape[:-1], rows)
+    assert np.abs(got - expected).max() <= 1e-5 * max(1.0, float(np.abs(expected).max()))
+
+
+def test_u8_linear_rejects_mismatched_inputs() -> None:
+    from openvino import opset15 as op
+
+    p = op.parameter([1, 8], np.float32, name="x")
+    w = op.constant(np.zeros((4, 9), np.uint8))
+    z, s = op.constant(np.zeros((4, 1), np.uint8)), op.constant(np.ones((4, 1), np.float16))
+    with pytest.raises(RuntimeError, match="K"):
+        native.factory().create("U8Linear", [p, w, z, s])
+    with pytest.raises(RuntimeError, match="u8"):
+        native.factory().create("U8Linear", [p, op.constant(np.zeros((4, 8), np.int8)), z, s])
+
+
+def _u4(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[object, np.ndarray]:
+    """A u4 constant of random values, and the values."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    values = rng.integers(0, 16, shape, dtype=np.uint8)
+    tensor = ov.Tensor(ov.Type.u4, list(shape))
+    flat = values.ravel()
+    tensor.data[:] = flat[0::2] | (flat[1::2] << 4)  # two per byte, the first in the low nibble
+    return op.constant(tensor), values
+
+
+def _matrix(rng: np.random.Generator, experts: int, out: int, inp: int, group: int, scale_type: type) -> tuple[list, np.ndarray]:
+    from openvino import opset15 as op
+
+    w, q = _u4(rng, (experts, out, inp // group, group))
+    z, zq = _u4(rng, (experts, out, inp // group, 1))
+    s = (rng.random((experts, out, inp // group, 1)) * 0.05 + 0.01).astype(scale_type)
+    dense = ((q.astype(np.float64) - zq) * s.astype(np.float64)).reshape(experts, out, inp)
+    return [w, z, op.constant(s)], dense
+
+
+@pytest.mark.parametrize(("skip", "idx_type", "scale_type"), [(0, np.int32, np.float16), (1, np.int64, np.float32),
+                                                               (4, np.int32, np.float32), (9, np.int64, np.float16)])
+def test_u4_experts_is_the_moe_block(skip: int, idx_type: type, scale_type: type) -> None:
+    """Rows from `skip` on: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x); rows before: zero.
+    Experts with 0, 1, 2, 3 and more rows (the kernel's row blocks), one expert never routed."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    rng = np.random.default_rng(skip)
+    experts, hidden, width, tokens, k = 6, 64, 32, 9, 3
+    gate, g = _matrix(rng, experts, width, hidden, 32, scale_type)
+    up, u = _matrix(rng, experts, width, hidden, 32, scale_type)
+    down, d = _matrix(rng, experts, hidden, width, 16, scale_type)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    routed = [0, 1, 2, 4, 5]  # expert 3: no row
+    idx = np.stack([rng.permutation(routed)[:k] for _ in range(tokens)]).astype(idx_type)
+    idx[:, 0] = [0] * 5 + [1] * 3 + [2]  # 0: >3 rows, 1: 3 rows, 2: 1 row (+ what the rest adds)
+    weights = rng.random((tokens, k)).astype(np.float32)
+
+    px = op.parameter([-1, hidden], np.float32, name="x")
+    pidx = op.parameter([-1, k], idx_type, name="idx")
+    pw = op.parameter([-1, k], np.float32, name="weights")
+    node = native.factory().create("U4Experts", [px, pidx, pw, op.constant(np.array([skip], np.int64)), *gate, *up, *down])
+    core = ov.Core()
+    request = core.compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()
+    got = np.array(request.infer({"x": x, "idx": idx, "weights": weights})[0])
+
+    expected = np.zeros((tokens, hidden))
+    xd = x.astype(np.float64)
+    for t in range(skip, tokens):
+        for j in range(k):
+            e = int(idx[t, j])
+            a, b = g[e] @ xd[t], u[e] @ xd[t]
+            expected[t] += weights[t, j] * (d[e] @ (a / (1 + np.exp(-a)) * b))
+    assert got.shape == (tokens, hidden)
+    assert not got[:skip].any()
+    assert np.abs(got - expected).max() <= 1e-5 * max(1.0, float(np.abs(expected).max()))
+
+
+def test_u4_experts_rejects_out_of_range_experts() -> None:
+    import openvino as ov
+    from openvino import opset15 as op
+
+    rng = np.random.default_rng(0)
+    mats = [_matrix(rng, 2, o, i, 32, np.float16)[0] for o, i in ((32, 64), (32, 64), (64, 32))]
+    px = op.parameter([-1, 64], np.float32, name="x")
+    pidx = op.parameter([-1, 1], np.int32, name="idx")
+    pw = op.parameter([-1, 1], np.float32, name="weights")
+    node = native.factory().create("U4Experts", [px, pidx, pw, op.constant(np.array([0], np.int64)), *sum(mats, [])])
+    request = ov.Core().compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()
+    with pytest.raises(RuntimeError):
+        request.infer({"x": np.ones((2, 64), np.float32), "idx": np.array([[0], [2]], np.int32),
+                       "weights": np.ones((2, 1), np.float32)})
+
+
+def test_the_library_is_cached_by_content() -> None:
+    lib = native.library()
+    assert lib.exists() and lib.parent.parent.name == "native"
+    assert native.library() == lib
+
+
+def _head_logits(model_dir: Path, rewrite: bool) -> np.ndarray:
+    import openvino as ov
+
+    core = ov.Core()
+    model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
+    if rewrite:
+        lm_head_u8.apply(model)
+        assert any(op.get_type_name() == "U8Linear" for op in model.get_ops())
+    request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    names = {p.get_any_name() for p in model.inputs}
+    rows = []
+    request.infer(stateful_feed(np.arange(100, 180, dtype=np.int64), 0, names))
+    rows.append(np.array(request.get_tensor("logits").data[0, -1]))
+    for k in range(4):
+        request.infer(stateful_feed(np.array([11 + k], np.int64), 80 + k, names))
+        rows.append(np.array(request.get_tensor("logits").data[0, -1]))
+    return np.stack(rows)
+
+
+def test_lm_head_u8_keeps_the_logits(tiny_dir: Path) -> None:
+    plain, native_head = _head_logits(tiny_dir, False), _head_logits(tiny_dir, True)
+    assert plain.shape == native_head.shape
+    assert np.abs(plain - native_head).max() <= 1e-4 * max(1.0, float(np.abs(plain).max()))
+    assert (plain.argmax(axis=1) == native_head.argmax(axis=1)).all()
+
+
+def test_lm_head_u8_keeps_greedy_generation(tiny_dir: Path) -> None:
+    prompt = tuple(range(1000, 1100))
+    tokens = kernel_greedy(tiny_dir, "lm_head_u8", True, prompt, 24)[0]
+    assert tokens == kernel_greedy(tiny_dir, "lm_head_u8", False, prompt, 24)[0]
+
+
+def test_lm_head_u8_needs_a_u8_head(tiny_f32_dir: Path) -> None:
+    import openvino as ov
+
+    model = last_token_logits.apply(ov.Core().read_model(tiny_f32_dir / "openvino_model.xml"))
+    with pytest.raises(lm_head_u8.RewriteError, match="decompression"):
+        lm_head_u8.apply(model)
+
+
+def _experts_logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.ndarray:
+    """Every position's logits of a prompt fed in chunks of the given sizes (concatenated)."""
+    import openvino as ov
+
+    from kernels import native_experts
+
+    core = ov.Core()
+    model = core.read_model(model_dir / "openvino_model.xml")
+    if rewrite:
+        native_experts.apply(model)
+        assert sum(op.get_type_name() == "U4Experts" for op in model.get_ops()) >= 1
+    request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    names = {p.get_any_name() for p in model.inputs}
+    prompt = np.random.default_rng(sum(chunks)).integers(1000, 150000, sum(chunks))
+    out, past = [], 0
+    for n in chunks:
+        request.infer(stateful_feed(prompt[past:past + n], past, names))
+        out.append(np.array(request.get_tensor("logits").data[0]))
+        past += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("chunks", [[1], [15], [16], [17], [100, 1, 1], [256] * 6],
+                         ids=["1", "15", "16", "17", "100+decode", "6x256"])
+def test_native_experts_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
+    """Below MIN_TOKENS the fused block takes every row, from it on the op takes rows 1..; the
+    logits of every position are the plain graph's (equal-shaped chunks as the KV grows too)."""
+    plain, native_rows = _experts_logits(tiny_dir, False, chunks), _experts_logits(tiny_dir, True, chunks)
+    assert np.abs(plain - native_rows).max() <= 1e-4 * max(1.0, float(np.abs(plain).max()))
+
+
+def test_native_experts_keeps_greedy_generation(tiny_dir: Path) -> None:
+    prompt = tuple(range(1000, 1200))
+    tokens, kernels = kernel_greedy(tiny_dir, "native_experts", True, prompt, 32)
+    assert "native_experts" in kernels
+    assert tokens == kernel_greedy(tiny_dir, "native_experts", False, prompt, 32)[0]
+
+
+def test_phase_and_native_experts_exclude_each_other(tiny_dir: Path) -> None:
+    import msgspec
+
+    from iq36.profile import load
+    from worker.engine import create
+
+    profile = load("cpu")
+    profile = msgspec.structs.replace(profile, kernels={**profile.kernels, "phase_experts": True, "native_experts": True})
+    with pytest.raises(ValueError, match="native_experts and phase_experts"):
+        create("candidate", tiny_dir, profile)
