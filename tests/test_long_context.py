@@ -117,11 +117,6 @@ def _reference_greedy(tiny_dir: Path, profile: Profile, ids: list[int]) -> tuple
     return ModelTokenizer(tiny_dir).decode(tokens), margins
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open bug (issue #7): at 131,072 tokens the candidate with phase_experts gives greedy text "
-    "unlike stock OpenVINO on the unmodified IR beyond a near-tie (stock's first-position margin "
-    "0.045), and differed between two runs; without phase_experts it matches; the boundary "
-    "lengths agree. Not yet understood"))
 def test_longest_prompt(server: GatewayServer, tiny_dir: Path, profile: Profile) -> None:
     """131,072 tokens: 200, and the greedy tokens of stock OpenVINO on the unmodified IR. (genai
     cannot be the reference here: its SDPA pipeline fails to allocate the prompt's causal mask,
