@@ -3,8 +3,9 @@
     .venv/bin/python -m tests.bench_phase_decode --model dev-bench-256 --modes plain,phase,if
 
 Each mode is the locked IR + `last_token_logits`, then: `plain` nothing more; `phase` the
-`phase_experts` kernel; `if` every MoE block in both branches of an `If` (the same block twice:
-what the `If` alone costs). All modes are compiled in this one process and timed in interleaved
+`phase_experts` kernel; `native` the `native_experts` kernel; `if` every MoE block in both
+branches of an `If` (the same block twice: what the `If` alone costs). A `+head` suffix
+(`plain+head`, `native+head`) adds the `lm_head_u8` kernel. All modes are compiled in this one process and timed in interleaved
 ABBA rounds (a prefill of `--tokens`, then `--decode` single-token steps each), so the machine's
 drift hits every mode alike. Prints each mode's median prefill time and median decode step.
 """
@@ -30,21 +31,30 @@ def main() -> int:
     import openvino as ov
 
     from iq36.cli import resolve_model
-    from kernels import last_token_logits, phase_experts
+    from kernels import last_token_logits, lm_head_u8, native, native_experts, phase_experts
     from worker.reference import stateful_feed
 
     core = ov.Core()
+    if native.cpu_supported():
+        native.register(core)
     xml = resolve_model(args.model) / "openvino_model.xml"
     modes = args.modes.split(",")
     requests = {}
     names: dict[str, set[str]] = {}
     for mode in modes:
         model = last_token_logits.apply(core.read_model(xml))
-        if mode == "phase":
+        base, _, head = mode.partition("+")
+        if head == "head":
+            lm_head_u8.apply(model)
+        elif head:
+            raise SystemExit(f"unknown mode {mode!r}")
+        if base == "phase":
             phase_experts.apply(model)
-        elif mode == "if":
+        elif base == "native":
+            native_experts.apply(model)
+        elif base == "if":
             phase_experts.wrap_blocks(model, 2, None)
-        elif mode != "plain":
+        elif base != "plain":
             raise SystemExit(f"unknown mode {mode!r}")
         props: dict[str, object] = {"PERFORMANCE_HINT": "LATENCY"}
         if args.threads:
@@ -77,7 +87,7 @@ def main() -> int:
             prefills[mode].append(pf)
             steps[mode].extend(st)
     for mode in modes:
-        print(f"{mode:6s} prefill {args.tokens} tokens {np.median(prefills[mode]):6.2f} s "
+        print(f"{mode:11s} prefill {args.tokens} tokens {np.median(prefills[mode]):6.2f} s "
               f"({args.tokens / np.median(prefills[mode]):6.1f} tok/s), decode step "
               f"{np.median(steps[mode]) * 1000:6.2f} ms (p90 {np.percentile(steps[mode], 90) * 1000:.2f})")
     return 0

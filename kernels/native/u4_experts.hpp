@@ -21,8 +21,10 @@
 // columns (rows of down): for each present expert, decompress its 64 down rows and accumulate
 // weight * act . down into y[t, columns] -- each task owns its columns, so no two tasks write
 // the same output. Each expert's weights are read from memory once per chunk; the dot products
-// are 4 weight rows x up to 3 token rows of 8-wide FMAs. Math: (q - z) * s in f32 (the export
-// rounds that product to f16 first), f32 accumulation in another order than the plugin's.
+// are 4 weight rows x up to 3 token rows of 8-wide FMAs. Math: (q - z) * s in f32, as the CPU
+// plugin's own fused kernels compute it (the export's graph says f16; rounding the product to
+// f16 moved the logits 10x further from stock's, docs/perf-log.md), f32 accumulation in another
+// order than the plugin's.
 #pragma once
 
 #include <immintrin.h>
@@ -132,23 +134,35 @@ inline void dot(const float* const* x, const float* w, size_t ldw, size_t K, flo
         }
 }
 
-// out[i][c] = dot(x[i], w[c]) for every token row i < m and weight row c < n (n % 4 == 0).
+// out[i][c] = dot(x[i], w[c]) for every token row i < m and weight row c < n (n % 4 == 0), w
+// rows K apart. K is walked in slices of kSlice so that a dot's 4 weight rows and 3 token rows
+// stay in L1 (7 rows x 2048 f32 = 56 KB would not); partial sums accumulate in `out`.
+constexpr size_t kSlice = 512;
+
 inline void block(const float* const* x, size_t m, const float* w, size_t n, size_t K, float* out, size_t ldo) {
     float tmp[3][4];
-    for (size_t i = 0; i < m;) {
-        const size_t rows = std::min<size_t>(3, m - i);
-        for (size_t c = 0; c < n; c += 4) {
-            if (rows == 3)
-                dot<3>(x + i, w + c * K, K, K, tmp);
-            else if (rows == 2)
-                dot<2>(x + i, w + c * K, K, K, tmp);
-            else
-                dot<1>(x + i, w + c * K, K, K, tmp);
+    const float* xs[3];
+    for (size_t k0 = 0; k0 < K; k0 += kSlice) {
+        const size_t kn = std::min(kSlice, K - k0);
+        for (size_t i = 0; i < m;) {
+            const size_t rows = std::min<size_t>(3, m - i);
             for (size_t r = 0; r < rows; ++r)
-                for (int q = 0; q < 4; ++q)
-                    out[(i + r) * ldo + c + q] = tmp[r][q];
+                xs[r] = x[i + r] + k0;
+            for (size_t c = 0; c < n; c += 4) {
+                if (rows == 3)
+                    dot<3>(xs, w + c * K + k0, K, kn, tmp);
+                else if (rows == 2)
+                    dot<2>(xs, w + c * K + k0, K, kn, tmp);
+                else
+                    dot<1>(xs, w + c * K + k0, K, kn, tmp);
+                for (size_t r = 0; r < rows; ++r)
+                    for (int q = 0; q < 4; ++q) {
+                        float& o = out[(i + r) * ldo + c + q];
+                        o = k0 ? o + tmp[r][q] : tmp[r][q];
+                    }
+            }
+            i += rows;
         }
-        i += rows;
     }
 }
 
