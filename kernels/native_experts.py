@@ -24,3 +24,12 @@ def apply(model: Any) -> Any:
     if not native.cpu_supported():
         raise phase_experts.RewriteError(f"{NAME} needs a CPU with {', '.join(native.CPU_FLAGS)}")
     return phase_experts.apply(model, native=True)
+
+
+def apply_all(model: Any) -> Any:
+    """Every row to the native op, decode included (switch `native_experts_decode`)."""
+    from kernels import native, phase_experts
+
+    if not native.cpu_supported():
+        raise phase_experts.RewriteError(f"{NAME} needs a CPU with {', '.join(native.CPU_FLAGS)}")
+    return phase_experts.apply(model, native="all")

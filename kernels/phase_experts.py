@@ -333,7 +333,15 @@ def wrap_blocks(model: Any, min_tokens: int, rewrite_then: Callable[[Any], None]
     return len(blocks)
 
 
-def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native: bool = False) -> None:
+def _native_experts(parts: dict[str, Any], x: Any, idx: Any, weights: Any, skip: Any) -> Any:
+    """The native U4Experts op on the block's own constants: rows from `skip` on."""
+    from kernels import native as native_ops
+
+    consts = [c.output(0) for name in ("gate", "up", "down") for c in parts[name][:3]]
+    return native_ops.factory().create("U4Experts", [x, idx, weights, skip.output(0), *consts]).output(0)
+
+
+def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native: bool | str = False) -> None:
     """Both paths in the outer graph, no `If` (whose body the plugin runs on one thread):
 
         n = 1 if T >= MIN_TOKENS else T       rows for the exported (plugin-fused) block
@@ -355,6 +363,14 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native
         return outer[param_output.get_node().get_name()]
 
     x, idx, weights = src(parts["x"]), src(parts["idx"]), src(parts["weights"])
+    if native == "all":  # the native op takes every row, decode included; no fused block
+        every = _native_experts(parts, x, idx, weights, op.constant(np.array([0], np.int64)))
+        out = op.reshape(every, op.slice(src(parts["target"]), np.array([1], np.int64),
+                                         np.array([np.iinfo(np.int64).max], np.int64), np.array([1], np.int64)), False)
+        out.set_friendly_name(f"{block.out.get_friendly_name()}/{NAME}")
+        for consumer in consumers:
+            consumer.replace_source_output(out.output(0))
+        return
     tokens = op.gather(op.shape_of(x), op.constant(np.array([0], np.int64)), op.constant(0))
     run = op.greater_equal(tokens, op.constant(np.array([MIN_TOKENS], np.int64)))
     n = op.select(run, op.constant(np.array([1], np.int64)), tokens)
@@ -395,10 +411,7 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native
 
     loop_parts = dict(parts, x=x, idx=idx, weights=weights)
     if native:  # the native op computes rows [n, T) and leaves rows [0, n) at zero
-        from kernels import native as native_ops
-
-        consts = [c.output(0) for name in ("gate", "up", "down") for c in parts[name][:3]]
-        rest = native_ops.factory().create("U4Experts", [x, idx, weights, n.output(0), *consts]).output(0)
+        rest = _native_experts(parts, x, idx, weights, n)
     else:
         rest = _expert_loop(loop_parts, op.squeeze(run, op.constant(0)), tick)
     looped = op.slice(rest, n, big, one, op.constant(np.array([0], np.int64)))
@@ -409,11 +422,12 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native
         consumer.replace_source_output(out.output(0))
 
 
-def apply(model: Any, native: bool = False) -> Any:
+def apply(model: Any, native: bool | str = False) -> Any:
     """Rewrite every routed-experts block of `model` (before compile) in place; returns it.
 
     `native`: the rows from n on go to the native `U4Experts` op (kernels/native) instead of the
-    Loop; then there is no Loop, and no tick input."""
+    Loop; then there is no Loop, and no tick input. `native="all"`: every row, decode included,
+    goes to the op (no fused block)."""
     from kernels import grouped_experts
 
     blocks = grouped_experts._blocks(model)

@@ -3,7 +3,8 @@
     .venv/bin/python -m tests.bench_phase_decode --model dev-bench-256 --modes plain,phase,if
 
 Each mode is the locked IR + `last_token_logits`, then: `plain` nothing more; `phase` the
-`phase_experts` kernel; `native` the `native_experts` kernel; `if` every MoE block in both
+`phase_experts` kernel; `native` the `native_experts` kernel (`native-all`: its op takes decode
+rows too); `if` every MoE block in both
 branches of an `If` (the same block twice: what the `If` alone costs). A `+head` suffix
 (`plain+head`, `native+head`) adds the `lm_head_u8` kernel. All modes are compiled in this one process and timed in interleaved
 ABBA rounds (a prefill of `--tokens`, then `--decode` single-token steps each), so the machine's
@@ -52,6 +53,8 @@ def main() -> int:
             phase_experts.apply(model)
         elif base == "native":
             native_experts.apply(model)
+        elif base == "native-all":
+            native_experts.apply_all(model)
         elif base == "if":
             phase_experts.wrap_blocks(model, 2, None)
         elif base != "plain":

@@ -78,10 +78,12 @@ def _matrix(rng: np.random.Generator, experts: int, out: int, inp: int, group: i
 
 
 @pytest.mark.parametrize(("skip", "idx_type", "scale_type"), [(0, np.int32, np.float16), (1, np.int64, np.float32),
-                                                               (4, np.int32, np.float32), (9, np.int64, np.float16)])
+                                                               (4, np.int32, np.float32), (8, np.int32, np.float16),
+                                                               (9, np.int64, np.float16)])
 def test_u4_experts_is_the_moe_block(skip: int, idx_type: type, scale_type: type) -> None:
     """Rows from `skip` on: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x); rows before: zero.
-    Experts with 0, 1, 2, 3 and more rows (the kernel's row blocks), one expert never routed."""
+    Experts with 0, 1, 2 (`direct`), 3 and more rows (tiles), one expert never routed; skip 8: one
+    row, every expert `direct` (decode)."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -178,7 +180,7 @@ def test_lm_head_u8_needs_a_u8_head(tiny_f32_dir: Path) -> None:
         lm_head_u8.apply(model)
 
 
-def _experts_logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.ndarray:
+def _experts_logits(model_dir: Path, rewrite: bool | str, chunks: list[int]) -> np.ndarray:
     """Every position's logits of a prompt fed in chunks of the given sizes (concatenated)."""
     import openvino as ov
 
@@ -187,7 +189,7 @@ def _experts_logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.nda
     core = ov.Core()
     model = core.read_model(model_dir / "openvino_model.xml")
     if rewrite:
-        native_experts.apply(model)
+        (native_experts.apply_all if rewrite == "all" else native_experts.apply)(model)
         assert sum(op.get_type_name() == "U4Experts" for op in model.get_ops()) >= 1
     request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
     names = {p.get_any_name() for p in model.inputs}
@@ -202,10 +204,12 @@ def _experts_logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.nda
 
 @pytest.mark.parametrize("chunks", [[1], [15], [16], [17], [100, 1, 1], [256] * 6],
                          ids=["1", "15", "16", "17", "100+decode", "6x256"])
-def test_native_experts_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
-    """Below MIN_TOKENS the fused block takes every row, from it on the op takes rows 1..; the
-    logits of every position are the plain graph's (equal-shaped chunks as the KV grows too)."""
-    plain, native_rows = _experts_logits(tiny_dir, False, chunks), _experts_logits(tiny_dir, True, chunks)
+@pytest.mark.parametrize("mode", [True, "all"], ids=["prefill", "all"])
+def test_native_experts_keeps_the_logits(tiny_dir: Path, chunks: list[int], mode: bool | str) -> None:
+    """Below MIN_TOKENS the fused block takes every row, from it on the op takes rows 1.. (`all`:
+    the op takes every row); the logits of every position are the plain graph's (equal-shaped
+    chunks as the KV grows too)."""
+    plain, native_rows = _experts_logits(tiny_dir, False, chunks), _experts_logits(tiny_dir, mode, chunks)
     assert np.abs(plain - native_rows).max() <= 1e-4 * max(1.0, float(np.abs(plain).max()))
 
 

@@ -21,7 +21,8 @@
 // columns (rows of down): for each present expert, decompress its 64 down rows and accumulate
 // weight * act . down into y[t, columns] -- each task owns its columns, so no two tasks write
 // the same output. Each expert's weights are read from memory once per chunk; the dot products
-// are 4 weight rows x up to 3 token rows of 8-wide FMAs. Math: (q - z) * s in f32, as the CPU
+// are 4 weight rows x up to 3 token rows of 8-wide FMAs. An expert with one or two rows (decode)
+// skips the tile: its products are taken straight from the packed bytes (`direct`). Math: (q - z) * s in f32, as the CPU
 // plugin's own fused kernels compute it (the export's graph says f16; rounding the product to
 // f16 moved the logits 10x further from stock's, docs/perf-log.md), f32 accumulation in another
 // order than the plugin's.
@@ -166,6 +167,65 @@ inline void block(const float* const* x, size_t m, const float* w, size_t n, siz
     }
 }
 
+// out[r] = dot(row r0 + r of expert e, x) for r < n, straight from the packed bytes: for an
+// expert with one or two tokens (decode, or a rare expert in a chunk) decompressing a tile to
+// memory costs more than the products. Same arithmetic per weight as `decompress` + `dot`
+// ((q - z) * s * x), the scale applied once per group.
+inline void direct(const Packed& m, size_t e, size_t r0, size_t n, const float* x, float* out) {
+    const __m128i low = _mm_set1_epi16(0x000F);
+    for (size_t r = 0; r < n; ++r) {
+        const size_t row = e * m.out + r0 + r;
+        __m256 acc = _mm256_setzero_ps();
+        float tail = 0.0f;
+        for (size_t g = 0; g < m.groups; ++g) {
+            const size_t gi = row * m.groups + g;
+            const float zf = static_cast<float>(value(m.z, gi, m.z4));
+            const __m256 z = _mm256_set1_ps(zf);
+            const float* xg = x + g * m.group;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            size_t j = 0;
+            if (m.w4) {
+                const uint8_t* src = m.w + (gi * m.group >> 1);
+                for (; j + 16 <= m.group; j += 16) {
+                    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j / 2)));
+                    const __m128i v = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
+                    a0 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), z), _mm256_loadu_ps(xg + j), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), z),
+                                         _mm256_loadu_ps(xg + j + 8), a1);
+                }
+            } else {
+                const uint8_t* src = m.w + gi * m.group;
+                for (; j + 8 <= m.group; j += 8) {
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j))));
+                    a0 = _mm256_fmadd_ps(_mm256_sub_ps(f, z), _mm256_loadu_ps(xg + j), a0);
+                }
+            }
+            float rest = 0.0f;
+            for (; j < m.group; ++j)
+                rest += (static_cast<float>(value(m.w, gi * m.group + j, m.w4)) - zf) * xg[j];
+            const float sc = m.scale(gi);
+            acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(sc), acc);
+            tail += rest * sc;
+        }
+        out[r] = hsum(acc) + tail;
+    }
+}
+
+constexpr size_t kDirect = 2;  // experts with at most this many rows take `direct`
+
+// out[i][c] = dot(x[i], row r0 + c of expert e) for i < count, c < n: `direct` for few rows,
+// else the rows decompressed into `tile` (n x K) and `block`.
+inline void products(const Packed& m, size_t e, size_t r0, size_t n, const float* const* x, size_t count, float* tile,
+                     float* out, size_t ldo) {
+    if (count <= kDirect) {
+        for (size_t i = 0; i < count; ++i)
+            direct(m, e, r0, n, x[i], out + i * ldo);
+        return;
+    }
+    decompress(m, e, r0, n, tile);
+    block(x, count, tile, n, m.in(), out, ldo);
+}
+
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 constexpr size_t kGateRows = 32;  // rows of gate and of up per stage-1 task
@@ -296,10 +356,8 @@ public:
                     rows[i] = xp + token[b + i] * H;
                 g.resize(m * kGateRows);
                 u.resize(m * kGateRows);
-                decompress(gate, e, r0, kGateRows, wg.data());
-                decompress(up, e, r0, kGateRows, wu.data());
-                block(rows.data(), m, wg.data(), kGateRows, H, g.data(), kGateRows);
-                block(rows.data(), m, wu.data(), kGateRows, H, u.data(), kGateRows);
+                products(gate, e, r0, kGateRows, rows.data(), m, wg.data(), g.data(), kGateRows);
+                products(up, e, r0, kGateRows, rows.data(), m, wu.data(), u.data(), kGateRows);
                 for (size_t i = 0; i < m; ++i)
                     for (size_t c = 0; c < kGateRows; ++c)
                         act[(b + i) * I + r0 + c] = silu(g[i * kGateRows + c]) * u[i * kGateRows + c];
@@ -319,8 +377,7 @@ public:
                     for (size_t i = 0; i < m; ++i)
                         rows[i] = act.data() + (b + i) * I;
                     out.resize(m * kDownRows);
-                    decompress(down, e, c0, kDownRows, wd.data());
-                    block(rows.data(), m, wd.data(), kDownRows, I, out.data(), kDownRows);
+                    products(down, e, c0, kDownRows, rows.data(), m, wd.data(), out.data(), kDownRows);
                     for (size_t i = 0; i < m; ++i) {
                         float* dst = y + token[b + i] * H + c0;
                         const float w = route[b + i];
