@@ -60,6 +60,7 @@ class ModelInfo:
     defaults: SamplingDefaults
     fingerprint: str | None = None
     runtime: dict[str, Any] = dataclasses.field(default_factory=dict)
+    graph: str | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -82,6 +83,9 @@ class ModelInfo:
         runtime = identity.get("runtime")
         if isinstance(runtime, dict):
             self.runtime = runtime
+        resolved = identity.get("resolved")
+        if isinstance(resolved, dict) and isinstance(resolved.get("graph"), str):
+            self.graph = resolved["graph"]  # the candidate's specialised graph (kernels/graph_hash.py)
 
     def card(self) -> dict[str, Any]:
         """The OpenAI model object, with the locked identity as extra fields."""
@@ -93,6 +97,7 @@ class ModelInfo:
             "engine": self.engine,
             "fingerprint": self.fingerprint,
             "profile": {"name": self.profile.name, "hash": self.profile.hash},
+            "graph": self.graph,
             "runtime": self.runtime,
             "max_prompt_tokens": self.max_prompt_tokens,
             "max_output_tokens": self.max_output_tokens,

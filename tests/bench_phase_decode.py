@@ -4,11 +4,11 @@
 
 Each mode is the locked IR + `last_token_logits`, then: `plain` nothing more; `phase` the
 `phase_experts` kernel; `native` the `native_experts` kernel (`native-all`: its op takes decode
-rows too); `if` every MoE block in both
-branches of an `If` (the same block twice: what the `If` alone costs). A `+head` suffix
-(`plain+head`, `native+head`) adds the `lm_head_u8` kernel. All modes are compiled in this one process and timed in interleaved
-ABBA rounds (a prefill of `--tokens`, then `--decode` single-token steps each), so the machine's
-drift hits every mode alike. Prints each mode's median prefill time and median decode step.
+rows too); `if` every MoE block in both branches of an `If` (the same block twice: what the `If`
+alone costs). A `+head` suffix (`plain+head`, `native+head`) adds the `lm_head_u8` kernel. All
+modes are compiled in this one process and timed in interleaved ABBA rounds (a prefill of
+`--tokens`, then `--decode` single-token steps each), so the machine's drift hits every mode
+alike. Prints each mode's median prefill time and median decode step.
 """
 
 from __future__ import annotations

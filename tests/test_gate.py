@@ -22,7 +22,8 @@ def test_smoke_gate_writes_all_outputs_and_claims_nothing(tiny_dir: Path, tmp_pa
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] == "smoke" and report["smoke"] is True
     assert report["baseline"] == "stock-tuned"
-    assert {"model", "runtime", "profiles", "machine"} <= set(report["identities"])
+    assert {"model", "graph", "runtime", "profiles", "machine"} <= set(report["identities"])
+    assert len(report["identities"]["graph"]) == 16  # the candidate's specialised graph
     assert [(c["bucket"], c["prompt_class"]) for c in report["cases"]] == [
         (96, "filler"), (96, "prefill-shape"), (96, "sentinel")]
     for case in report["cases"]:

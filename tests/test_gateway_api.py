@@ -52,6 +52,9 @@ def test_models_list_and_get_carry_the_identity(server: GatewayServer, client: o
     assert extra["fingerprint"] == server.ready["model"]["fingerprint"]
     assert extra["profile"]["hash"] == server.ready["profile"]["hash"]
     assert extra["runtime"] == server.ready["runtime"]
+    # the candidate's specialised graph (kernels/graph_hash.py), as its worker reported it
+    assert extra["graph"] == server.ready["resolved"]["graph"]
+    assert len(extra["graph"]) == 16 and int(extra["graph"], 16) >= 0
     assert extra["max_output_tokens"] == MAX_OUTPUT and extra["max_prompt_tokens"] == MAX_PROMPT
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("gpt-4o")

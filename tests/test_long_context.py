@@ -2,7 +2,8 @@
 the 131,072-token limit complete with 200 and the stock engine's greedy tokens.
 
 A real `iq36 serve` on dev-tiny with the `cpu-f32` profile (the f32 reference mode, where the
-engines must agree token for token, SPEC §5) plus the `phase_experts` kernel of `cpu`. Prompts
+engines must agree token for token, SPEC §5) plus the kernels `cpu` serves with
+(`native_experts`). Prompts
 are token ids through `/v1/completions`, so their lengths are exact. The stock reference runs
 in this process: genai with SDPA for the boundary lengths (as the profile says); for 131,072
 tokens the unmodified IR on stock OpenVINO, fed in chunks — genai's SDPA pipeline cannot run
@@ -44,14 +45,18 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("profile") / "cpu-f32-kernels.toml"
     text = resolve(PROFILE).read_text()
     assert "last_token_logits = true\n" in text
-    path.write_text(text.replace("last_token_logits = true\n", "last_token_logits = true\nphase_experts = true\n"))
+    served = {k: v for k, v in load("cpu").kernels.items() if k != "last_token_logits"}
+    extra = "".join(f"{k} = {str(v).lower()}\n" for k, v in sorted(served.items()))
+    path.write_text(text.replace("last_token_logits = true\n", "last_token_logits = true\n" + extra))
     return path
 
 
 @pytest.fixture(scope="module")
 def profile(profile_path: Path) -> Profile:
     prof = load(str(profile_path))
-    assert prof.kernels.get("phase_experts")
+    served = load("cpu").kernels
+    assert served.get("native_experts") or served.get("phase_experts"), "cpu serves no experts kernel"
+    assert all(prof.kernels.get(k) == v for k, v in served.items())
     assert prof.prefill.long is not None, f"{PROFILE} has no long-context profile to test"
     assert prof.limits.max_prompt_tokens == LONGEST
     return prof

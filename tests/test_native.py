@@ -67,7 +67,8 @@ def _u4(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[object, np.nd
     return op.constant(tensor), values
 
 
-def _matrix(rng: np.random.Generator, experts: int, out: int, inp: int, group: int, scale_type: type) -> tuple[list, np.ndarray]:
+def _matrix(rng: np.random.Generator, experts: int, out: int, inp: int, group: int,
+            scale_type: type) -> tuple[list, np.ndarray]:
     from openvino import opset15 as op
 
     w, q = _u4(rng, (experts, out, inp // group, group))
@@ -101,7 +102,8 @@ def test_u4_experts_is_the_moe_block(skip: int, idx_type: type, scale_type: type
     px = op.parameter([-1, hidden], np.float32, name="x")
     pidx = op.parameter([-1, k], idx_type, name="idx")
     pw = op.parameter([-1, k], np.float32, name="weights")
-    node = native.factory().create("U4Experts", [px, pidx, pw, op.constant(np.array([skip], np.int64)), *gate, *up, *down])
+    skip_c = op.constant(np.array([skip], np.int64))
+    node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down])
     core = ov.Core()
     request = core.compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()
     got = np.array(request.infer({"x": x, "idx": idx, "weights": weights})[0])
@@ -227,6 +229,7 @@ def test_phase_and_native_experts_exclude_each_other(tiny_dir: Path) -> None:
     from worker.engine import create
 
     profile = load("cpu")
-    profile = msgspec.structs.replace(profile, kernels={**profile.kernels, "phase_experts": True, "native_experts": True})
+    both = {**profile.kernels, "phase_experts": True, "native_experts": True}
+    profile = msgspec.structs.replace(profile, kernels=both)
     with pytest.raises(ValueError, match="native_experts and phase_experts"):
         create("candidate", tiny_dir, profile)

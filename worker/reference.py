@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-
 TICK = "iq36_tick"  # kernels.phase_experts.TICK (not imported: that would pull in the kernels)
 
 

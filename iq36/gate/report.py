@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 from collections import defaultdict
@@ -49,6 +50,23 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(psutil.virtual_memory().total / 2**30), "platform": platform.platform()}
 
 
+@functools.cache
+def _graph_hash(model_dir: str, profile: str, perturb: bool) -> str:
+    """The candidate's specialised graph (kernels/graph_hash.py): the profile's rewrites of the
+    locked IR, as the candidate engine builds them (the perturbed gate adds its kernel)."""
+    import openvino as ov
+
+    from iq36.profile import load
+    from kernels.graph_hash import structure_hash
+    from worker.engine.candidate import specialised_model
+
+    prof = load(profile)
+    if perturb:  # as iq36/gate/correctness.py runs the candidate
+        prof = msgspec.structs.replace(prof, kernels={**prof.kernels, "perturb_embeddings": True})
+    model, _ = specialised_model(ov.Core(), Path(model_dir), prof)
+    return structure_hash(model)
+
+
 def _identities(opts: Any) -> dict[str, Any]:
     from iq36.gate.session import engine_profile
     from iq36.profile import load
@@ -58,6 +76,7 @@ def _identities(opts: Any) -> dict[str, Any]:
     manifest = json.loads((Path(opts.model_dir) / "manifest.json").read_text())
     return {
         "model": {"dir": opts.model_dir, "fingerprint": manifest["fingerprint"]},
+        "graph": _graph_hash(opts.model_dir, opts.profile, opts.perturb),
         "runtime": runtime_identity(),
         "profiles": {
             "candidate": {"name": base.name, "hash": base.hash},
@@ -213,6 +232,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- candidate profile: `{ident['profiles']['candidate']['name']}` "
         f"({ident['profiles']['candidate']['hash'][:19]}…); baseline: `{report['baseline']}` = "
         f"`{json.dumps(ident['profiles']['baseline'])}`",
+        f"- candidate graph (the profile's rewrites of the IR, `kernels/graph_hash.py`): "
+        f"`{ident.get('graph', 'not recorded')}`",
         f"- runtime: openvino {ident['runtime']['openvino']}",
         f"- machine: {ident['machine']['cpu']}, {ident['machine']['logical_cpus']} CPUs, "
         f"ISA {' '.join(ident['machine']['isa']) or '—'}",

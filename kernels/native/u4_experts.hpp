@@ -138,7 +138,10 @@ inline void dot(const float* const* x, const float* w, size_t ldw, size_t K, flo
 // out[i][c] = dot(x[i], w[c]) for every token row i < m and weight row c < n (n % 4 == 0), w
 // rows K apart. K is walked in slices of kSlice so that a dot's 4 weight rows and 3 token rows
 // stay in L1 (7 rows x 2048 f32 = 56 KB would not); partial sums accumulate in `out`.
-constexpr size_t kSlice = 512;
+#ifndef IQ36_SLICE
+#define IQ36_SLICE 512
+#endif
+constexpr size_t kSlice = IQ36_SLICE;
 
 inline void block(const float* const* x, size_t m, const float* w, size_t n, size_t K, float* out, size_t ldo) {
     float tmp[3][4];
@@ -228,8 +231,14 @@ inline void products(const Packed& m, size_t e, size_t r0, size_t n, const float
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
-constexpr size_t kGateRows = 32;  // rows of gate and of up per stage-1 task
-constexpr size_t kDownRows = 64;  // rows of down (output columns) per stage-2 task
+#ifndef IQ36_GATE_ROWS
+#define IQ36_GATE_ROWS 32
+#endif
+constexpr size_t kGateRows = IQ36_GATE_ROWS;  // rows of gate and of up per stage-1 task
+#ifndef IQ36_DOWN_ROWS
+#define IQ36_DOWN_ROWS 64
+#endif
+constexpr size_t kDownRows = IQ36_DOWN_ROWS;  // rows of down (output columns) per stage-2 task
 
 }  // namespace experts
 

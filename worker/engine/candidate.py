@@ -112,6 +112,23 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 _NATIVE_OPS = {"U8Linear", "U4Experts"}  # kernels/native ops a rewrite may insert
 
 
+def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str]]:
+    """The locked IR read by `core` with the profile's rewrites (`_KERNELS`) applied, not yet
+    compiled, and the names of the rewrites applied."""
+    model = core.read_model(Path(model_dir) / "openvino_model.xml")
+    for group in _EXCLUSIVE:
+        on = sorted(name for name in group if profile.kernels.get(name, _KERNELS[name][1]))
+        if len(on) > 1:
+            raise ValueError(f"profile {profile.name}: kernels {' and '.join(on)} rewrite the same blocks; "
+                             "turn all but one off in [kernels]")
+    applied = []
+    for name, (rewrite, default) in _KERNELS.items():
+        if profile.kernels.get(name, default):
+            model = rewrite(model)
+            applied.append(name)
+    return model, applied
+
+
 class _Running:
     """The request being served: where its prefill is, its sampler and its output stream."""
 
@@ -144,17 +161,11 @@ class CandidateEngine:
         self.tokenizer = tokenizer or ModelTokenizer(self.model_dir)
         core = ov.Core()
         xml = self.model_dir / "openvino_model.xml"
-        model = core.read_model(xml)
-        self.kernels: list[str] = []
-        for group in _EXCLUSIVE:
-            on = sorted(name for name in group if profile.kernels.get(name, _KERNELS[name][1]))
-            if len(on) > 1:
-                raise ValueError(f"profile {profile.name}: kernels {' and '.join(on)} rewrite the same blocks; "
-                                 "turn all but one off in [kernels]")
-        for name, (rewrite, default) in _KERNELS.items():
-            if profile.kernels.get(name, default):
-                model = rewrite(model)
-                self.kernels.append(name)
+        model, kernels = specialised_model(core, self.model_dir, profile)
+        self.kernels: list[str] = kernels
+        from kernels.graph_hash import structure_hash
+
+        self.graph_hash = structure_hash(model)  # joins the identity (READY, /v1/models, gate)
         self._inputs = {p.get_any_name() for p in model.inputs}
         vocab = model.output("logits").get_partial_shape()[-1]
         self.vocab_size = vocab.get_length() if vocab.is_static else read_vocab_size(self.model_dir)
@@ -267,6 +278,7 @@ class CandidateEngine:
         return {
             "INFERENCE_PRECISION_HINT": str(self._compiled.get_property("INFERENCE_PRECISION_HINT")),
             "kernels": list(self.kernels),
+            "graph": self.graph_hash,
         }
 
     def op_profile(self) -> dict[str, float]:
