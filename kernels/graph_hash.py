@@ -44,9 +44,9 @@ def _update(h: Any, model: Any) -> None:
                 h.update(data.tobytes())
             else:
                 h.update(node.get_friendly_name().encode())
-        if kind.name == "Parameter" or kind.name == "Result":
-            h.update(",".join(sorted(node.output(0).get_names()) if kind.name == "Parameter" else []).encode())
-        get_function = getattr(node, "get_function", None)
+        if kind.name == "Parameter":
+            h.update(",".join(sorted(node.output(0).get_names())).encode())
+        get_function = getattr(node, "get_function", None)  # Loop / TensorIterator bodies
         if callable(get_function):
             try:
                 body = get_function()
@@ -54,8 +54,6 @@ def _update(h: Any, model: Any) -> None:
                 body = None
             if body is not None:
                 _update(h, body)
-        for k in range(getattr(node, "get_internal_subgraphs_size", lambda: 0)()):
-            _update(h, node.get_function(k))
 
 
 def structure_hash(model: Any) -> str:

@@ -76,8 +76,7 @@ def apply(model: Any) -> Any:
     if attrs.get("transpose_a") or not attrs.get("transpose_b"):
         raise RewriteError("the LM head MatMul is not x @ w^T")
     w, zp, s = _decompression(matmul.input_value(1))
-    if not native.cpu_supported():
-        raise RewriteError(f"{NAME} needs a CPU with {', '.join(native.CPU_FLAGS)}")
+    native.require_cpu(NAME, RewriteError)
     node = native.factory().create("U8Linear", [matmul.input_value(0), w.output(0), zp.output(0), s.output(0)])
     node.set_friendly_name(f"{matmul.get_friendly_name()}/{NAME}")
     for target in list(matmul.output(0).get_target_inputs()):

@@ -70,6 +70,12 @@ def cpu_supported() -> bool:
     return False
 
 
+def require_cpu(kernel: str, error: type[Exception]) -> None:
+    """Raise `error` naming `kernel` if this CPU cannot run the native ops."""
+    if not cpu_supported():
+        raise error(f"{kernel} needs a CPU with {', '.join(CPU_FLAGS)}")
+
+
 def _key(cxx: str, ov: Path) -> str:
     import openvino
 

@@ -18,18 +18,15 @@ from typing import Any
 NAME = "native_experts"
 
 
-def apply(model: Any) -> Any:
+def apply(model: Any, rows: bool | str = True) -> Any:
+    """Rewrite `model` in place; returns it. `rows="all"`: every row goes to the op, decode
+    included (a probe, `tests/bench_phase_decode.py --modes native-all`: no decode gain)."""
     from kernels import native, phase_experts
 
-    if not native.cpu_supported():
-        raise phase_experts.RewriteError(f"{NAME} needs a CPU with {', '.join(native.CPU_FLAGS)}")
-    return phase_experts.apply(model, native=True)
+    native.require_cpu(NAME, phase_experts.RewriteError)
+    return phase_experts.apply(model, native=rows)
 
 
 def apply_all(model: Any) -> Any:
-    """Every row to the native op, decode included (switch `native_experts_decode`)."""
-    from kernels import native, phase_experts
-
-    if not native.cpu_supported():
-        raise phase_experts.RewriteError(f"{NAME} needs a CPU with {', '.join(native.CPU_FLAGS)}")
-    return phase_experts.apply(model, native="all")
+    """`apply(model, rows="all")`."""
+    return apply(model, rows="all")

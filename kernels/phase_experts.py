@@ -363,19 +363,22 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native
         return outer[param_output.get_node().get_name()]
 
     x, idx, weights = src(parts["x"]), src(parts["idx"]), src(parts["weights"])
-    if native == "all":  # the native op takes every row, decode included; no fused block
-        every = _native_experts(parts, x, idx, weights, op.constant(np.array([0], np.int64)))
-        out = op.reshape(every, op.slice(src(parts["target"]), np.array([1], np.int64),
-                                         np.array([np.iinfo(np.int64).max], np.int64), np.array([1], np.int64)), False)
+    zero, big = op.constant(np.array([0], np.int64)), op.constant(np.array([np.iinfo(np.int64).max], np.int64))
+    one = op.constant(np.array([1], np.int64))
+    out_shape = op.slice(src(parts["target"]), one, big, one)
+
+    def connect(y: Any) -> None:
+        out = op.reshape(y, out_shape, False)
         out.set_friendly_name(f"{block.out.get_friendly_name()}/{NAME}")
         for consumer in consumers:
             consumer.replace_source_output(out.output(0))
+
+    if native == "all":  # the native op takes every row, decode included; no fused block
+        connect(_native_experts(parts, x, idx, weights, zero))
         return
     tokens = op.gather(op.shape_of(x), op.constant(np.array([0], np.int64)), op.constant(0))
     run = op.greater_equal(tokens, op.constant(np.array([MIN_TOKENS], np.int64)))
     n = op.select(run, op.constant(np.array([1], np.int64)), tokens)
-    zero, big = op.constant(np.array([0], np.int64)), op.constant(np.array([np.iinfo(np.int64).max], np.int64))
-    one = op.constant(np.array([1], np.int64))
 
     def head(v: Any) -> Any:
         return op.slice(v, zero, n, one, op.constant(np.array([0], np.int64)))
@@ -415,11 +418,7 @@ def _gate_block(model: Any, block: Any, memo: dict[str, bool], tick: Any, native
     else:
         rest = _expert_loop(loop_parts, op.squeeze(run, op.constant(0)), tick)
     looped = op.slice(rest, n, big, one, op.constant(np.array([0], np.int64)))
-    target = op.slice(src(parts["target"]), one, big, one)
-    out = op.reshape(op.concat([fused, looped], 0), target, False)
-    out.set_friendly_name(f"{block.out.get_friendly_name()}/{NAME}")
-    for consumer in consumers:
-        consumer.replace_source_output(out.output(0))
+    connect(op.concat([fused, looped], 0))
 
 
 def apply(model: Any, native: bool | str = False) -> Any:
@@ -436,12 +435,13 @@ def apply(model: Any, native: bool | str = False) -> Any:
     import openvino as ov
     from openvino import opset15 as op
 
-    tick = op.parameter([-1], ov.Type.u8, name=TICK)
-    tick.output(0).get_tensor().set_names({TICK})
+    tick = None if native else op.parameter([-1], ov.Type.u8, name=TICK)  # the Loop's (see TICK)
+    if tick is not None:
+        tick.output(0).get_tensor().set_names({TICK})
     memo: dict[str, bool] = {}
     for block in blocks:
-        _gate_block(model, block, memo, tick.output(0), native)
-    if not native:
+        _gate_block(model, block, memo, None if tick is None else tick.output(0), native)
+    if tick is not None:
         model.add_parameters([tick])
     model.validate_nodes_and_infer_types()
     return model
