@@ -85,19 +85,41 @@ def test_u4_experts_is_the_moe_block(skip: int, idx_type: type, scale_type: type
     """Rows from `skip` on: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x); rows before: zero.
     Experts with 0, 1, 2 (`direct`), 3 and more rows (tiles), one expert never routed; skip 8: one
     row, every expert `direct` (decode)."""
-    import openvino as ov
-    from openvino import opset15 as op
-
     rng = np.random.default_rng(skip)
-    experts, hidden, width, tokens, k = 6, 64, 32, 9, 3
-    gate, g = _matrix(rng, experts, width, hidden, 32, scale_type)
-    up, u = _matrix(rng, experts, width, hidden, 32, scale_type)
-    down, d = _matrix(rng, experts, hidden, width, 16, scale_type)
-    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    tokens, k = 9, 3
     routed = [0, 1, 2, 4, 5]  # expert 3: no row
     idx = np.stack([rng.permutation(routed)[:k] for _ in range(tokens)]).astype(idx_type)
     idx[:, 0] = [0] * 5 + [1] * 3 + [2]  # 0: >3 rows, 1: 3 rows, 2: 1 row (+ what the rest adds)
+    _check_u4_experts(rng, idx, skip, scale_type, experts=6, hidden=64, width=32, groups=(32, 16))
+
+
+@pytest.mark.parametrize("skip", [0, 3])
+def test_u4_experts_walks_every_tile_and_tail(skip: int) -> None:
+    """Shapes that leave a remainder everywhere: an expert with 37 rows (token vectors 2 + 2 + 1,
+    3 padded columns), 100 gate/up rows (tasks of 64 + 36), 612 outputs (64-column tasks and a
+    36-column tail; 6-row kernels and a 2-row one), 612 inputs in groups of 36 (slices 252, 252,
+    108; a transpose tail of 4)."""
+    rng = np.random.default_rng(100 + skip)
+    tokens, k, experts = 40, 3, 5
+    idx = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+    idx[:37, 0] = 0
+    idx[:37, 1:] = np.where(idx[:37, 1:] == 0, 4, idx[:37, 1:])
+    idx[37:, :] = [1, 2, 3]
+    _check_u4_experts(rng, idx, skip, np.float16, experts=experts, hidden=612, width=100, groups=(36, 20))
+
+
+def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scale_type: type, experts: int,
+                      hidden: int, width: int, groups: tuple[int, int]) -> None:
+    import openvino as ov
+    from openvino import opset15 as op
+
+    tokens, k = idx.shape
+    gate, g = _matrix(rng, experts, width, hidden, groups[0], scale_type)
+    up, u = _matrix(rng, experts, width, hidden, groups[0], scale_type)
+    down, d = _matrix(rng, experts, hidden, width, groups[1], scale_type)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     weights = rng.random((tokens, k)).astype(np.float32)
+    idx_type = idx.dtype.type
 
     px = op.parameter([-1, hidden], np.float32, name="x")
     pidx = op.parameter([-1, k], idx_type, name="idx")

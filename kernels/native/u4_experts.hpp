@@ -15,15 +15,17 @@
 //
 // gate/up: O = I (the expert's width), G * g = H; down: O = H, G * g = I.
 //
-// How: rows are bucketed by expert. Stage 1, one task per (expert, 32 rows of gate and up):
-// decompress those rows to f32 in a thread-local tile, then every routed token's dot products
-// against them -> act[(expert, token), i] = silu(gate) * up. Stage 2, one task per 64 output
-// columns (rows of down): for each present expert, decompress its 64 down rows and accumulate
-// weight * act . down into y[t, columns] -- each task owns its columns, so no two tasks write
-// the same output. Each expert's weights are read from memory once per chunk; the dot products
-// are 4 weight rows x up to 3 token rows of 8-wide FMAs. An expert with one or two rows (decode)
-// skips the tile: its products are taken straight from the packed bytes (`direct`). Math: (q - z) * s in f32, as the CPU
-// plugin's own fused kernels compute it (the export's graph says f16; rounding the product to
+// How: rows are bucketed by expert. Stage 1, one task per (expert, 128 rows of gate and up): the
+// expert's token rows transposed once (xT: inputs x tokens, padded to 8 tokens), then, one slice
+// of ~256 inputs at a time, the weight rows decompressed to f32 in a thread-local tile and
+// multiplied into act[expert][i][token] = silu(gate) * up. Stage 2, one task per 128 output
+// columns (rows of down): for each present expert, the same on its act columns, then
+// y[t, columns] += weight * result -- each task owns its columns, so no two tasks write the same
+// output. Each expert's weights are read from memory once per chunk. The register block is 6
+// weight rows x 2 vectors of 8 tokens: the weight is broadcast and the tokens are the lanes, so
+// every FMA lands in its final accumulator (no horizontal sums). An expert with one or two rows
+// (decode) skips the tile: its products are taken straight from the packed bytes (`direct`).
+// Math: (q - z) * s in f32, as the CPU plugin's own fused kernels compute it (the export's graph says f16; rounding the product to
 // f16 moved the logits 10x further from stock's, docs/perf-log.md), f32 accumulation in another
 // order than the plugin's.
 #pragma once
@@ -70,18 +72,19 @@ inline uint8_t value(const uint8_t* base, size_t index, bool packed) {
     return packed ? nibble(base, index) : base[index];
 }
 
-// Rows [r0, r0 + n) of expert e, decompressed to f32 into dst (n x in, row-major).
-inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, float* dst) {
-    const size_t in = m.in();
+// Rows [r0, r0 + n) of expert e, inputs [k0, k0 + kn) (whole groups), decompressed to f32 into
+// dst (n x kn, row-major).
+inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, float* dst) {
     const __m128i low = _mm_set1_epi16(0x000F);
+    const size_t g0 = k0 / m.group, g1 = (k0 + kn) / m.group;
     for (size_t r = 0; r < n; ++r) {
         const size_t row = e * m.out + r0 + r;
-        float* out = dst + r * in;
-        for (size_t g = 0; g < m.groups; ++g) {
+        float* out = dst + r * kn;
+        for (size_t g = g0; g < g1; ++g) {
             const size_t gi = row * m.groups + g;
             const __m256 z = _mm256_set1_ps(static_cast<float>(value(m.z, gi, m.z4)));
             const __m256 s = _mm256_set1_ps(m.scale(gi));
-            float* o = out + g * m.group;
+            float* o = out + (g - g0) * m.group;
             size_t j = 0;
             if (!m.w4) {
                 const uint8_t* src = m.w + gi * m.group;
@@ -107,66 +110,133 @@ inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, float* ds
     }
 }
 
-// out[r][c] = dot(x[r], w[c]) over K, for R token rows and 4 weight rows (w rows ldw apart).
-template <int R>
-inline void dot(const float* const* x, const float* w, size_t ldw, size_t K, float out[][4]) {
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c)
-            acc[r][c] = _mm256_setzero_ps();
-    size_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + ldw + k);
-        const __m256 w2 = _mm256_loadu_ps(w + 2 * ldw + k), w3 = _mm256_loadu_ps(w + 3 * ldw + k);
-        for (int r = 0; r < R; ++r) {
-            const __m256 xv = _mm256_loadu_ps(x[r] + k);
-            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
-            acc[r][3] = _mm256_fmadd_ps(xv, w3, acc[r][3]);
+// The inputs walked per pass: whole groups, about kSlice of them, so that a pass's decompressed
+// weights (rows x slice) and the matching token columns stay in L2 and L1.
+#ifndef IQ36_SLICE
+#define IQ36_SLICE 256
+#endif
+constexpr size_t kSlice = IQ36_SLICE;
+inline size_t slice_of(const Packed& m) { return m.group * std::max<size_t>(1, kSlice / m.group); }
+
+// o[c][v * 8 ..] (+)= sum_k w[c][k] * xT[k][v * 8 ..] for C weight rows (ldw apart) and V
+// vectors of 8 token columns (xT rows ldx apart): the weight is broadcast, the tokens are the
+// vector lanes, so every FMA lands in its final accumulator (no horizontal sums).
+template <int C, int V>
+inline void kernel(const float* w, size_t ldw, const float* xT, size_t ldx, size_t kn, float* o, size_t ldo, bool add) {
+    __m256 acc[C][V];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+            acc[c][v] = _mm256_setzero_ps();
+    for (size_t k = 0; k < kn; ++k) {
+        __m256 xv[V];
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+            xv[v] = _mm256_loadu_ps(xT + k * ldx + v * 8);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const __m256 wb = _mm256_broadcast_ss(w + c * ldw + k);
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v)
+                acc[c][v] = _mm256_fmadd_ps(wb, xv[v], acc[c][v]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) {
-            float v = hsum(acc[r][c]);
-            for (size_t kk = k; kk < K; ++kk)
-                v += x[r][kk] * w[c * ldw + kk];
-            out[r][c] = v;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) {
+            float* dst = o + c * ldo + v * 8;
+            _mm256_storeu_ps(dst, add ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[c][v]) : acc[c][v]);
         }
 }
 
-// out[i][c] = dot(x[i], w[c]) for every token row i < m and weight row c < n (n % 4 == 0), w
-// rows K apart. K is walked in slices of kSlice so that a dot's 4 weight rows and 3 token rows
-// stay in L1 (7 rows x 2048 f32 = 56 KB would not); partial sums accumulate in `out`.
-#ifndef IQ36_SLICE
-#define IQ36_SLICE 512
-#endif
-constexpr size_t kSlice = IQ36_SLICE;
+using Kernel = void (*)(const float*, size_t, const float*, size_t, size_t, float*, size_t, bool);
+// Register blocks (12 accumulators, the token vectors and one broadcast in 16 ymm registers):
+// 6 weight rows x 2 token vectors, 4 x 3 for a run of 3 vectors, 6 x 1 for a last single one.
+template <int C, int V>
+inline void run(const float* w, size_t n, size_t kn, const float* xT, size_t ldx, float* o, size_t ldo, bool add) {
+    size_t c = 0;
+    for (; c + C <= n; c += C)
+        kernel<C, V>(w + c * kn, kn, xT, ldx, kn, o + c * ldo, ldo, add);
+    for (; c < n; ++c)
+        kernel<1, V>(w + c * kn, kn, xT, ldx, kn, o + c * ldo, ldo, add);
+}
 
-inline void block(const float* const* x, size_t m, const float* w, size_t n, size_t K, float* out, size_t ldo) {
-    float tmp[3][4];
-    const float* xs[3];
-    for (size_t k0 = 0; k0 < K; k0 += kSlice) {
-        const size_t kn = std::min(kSlice, K - k0);
-        for (size_t i = 0; i < m;) {
-            const size_t rows = std::min<size_t>(3, m - i);
-            for (size_t r = 0; r < rows; ++r)
-                xs[r] = x[i + r] + k0;
-            for (size_t c = 0; c < n; c += 4) {
-                if (rows == 3)
-                    dot<3>(xs, w + c * K + k0, K, kn, tmp);
-                else if (rows == 2)
-                    dot<2>(xs, w + c * K + k0, K, kn, tmp);
-                else
-                    dot<1>(xs, w + c * K + k0, K, kn, tmp);
-                for (size_t r = 0; r < rows; ++r)
-                    for (int q = 0; q < 4; ++q) {
-                        float& o = out[(i + r) * ldo + c + q];
-                        o = k0 ? o + tmp[r][q] : tmp[r][q];
-                    }
-            }
-            i += rows;
+// o (n x vecs*8, ld ldo) (+)= w (n x kn, ld kn) . xT (kn x vecs*8, ld ldx). Token vectors
+// outermost so that their slice of xT stays in L1 while the weight rows stream from L2.
+inline void gemm(const float* w, size_t n, size_t kn, const float* xT, size_t ldx, size_t vecs, float* o, size_t ldo, bool add) {
+    for (size_t v = 0; v < vecs;) {
+        const size_t left = vecs - v;
+        if (left == 3) {
+            run<4, 3>(w, n, kn, xT + v * 8, ldx, o + v * 8, ldo, add);
+            v += 3;
+        } else if (left == 1) {
+            run<6, 1>(w, n, kn, xT + v * 8, ldx, o + v * 8, ldo, add);
+            v += 1;
+        } else {
+            run<6, 2>(w, n, kn, xT + v * 8, ldx, o + v * 8, ldo, add);
+            v += 2;
         }
+    }
+}
+
+// o[c][t] = dot(row r0 + c of expert e, column t of xT) for c < n, t < vecs * 8; the weights
+// are decompressed one slice of inputs at a time into `tile` (n x slice_of(m)).
+inline void products(const Packed& m, size_t e, size_t r0, size_t n, const float* xT, size_t ldx, size_t vecs, float* tile,
+                     float* o, size_t ldo) {
+    const size_t K = m.in(), ks = slice_of(m);
+    for (size_t k0 = 0; k0 < K; k0 += ks) {
+        const size_t kn = std::min(ks, K - k0);
+        decompress(m, e, r0, n, k0, kn, tile);
+        gemm(tile, n, kn, xT + k0 * ldx, ldx, vecs, o, ldo, k0 > 0);
+    }
+}
+
+inline void transpose8(__m256& r0, __m256& r1, __m256& r2, __m256& r3, __m256& r4, __m256& r5, __m256& r6, __m256& r7) {
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r0 = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r1 = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r2 = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r3 = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r4 = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r5 = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r6 = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r7 = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// xT[k][t] = rows[t][k] for k < K, t < ldx (ldx a multiple of 8; rows past m read `zero`).
+inline void transpose_rows(const float* const* rows, size_t m, const float* zero, size_t K, float* xT, size_t ldx) {
+    for (size_t t0 = 0; t0 < ldx; t0 += 8) {
+        const float* r[8];
+        for (size_t i = 0; i < 8; ++i)
+            r[i] = t0 + i < m ? rows[t0 + i] : zero;
+        size_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 v0 = _mm256_loadu_ps(r[0] + k), v1 = _mm256_loadu_ps(r[1] + k), v2 = _mm256_loadu_ps(r[2] + k),
+                   v3 = _mm256_loadu_ps(r[3] + k), v4 = _mm256_loadu_ps(r[4] + k), v5 = _mm256_loadu_ps(r[5] + k),
+                   v6 = _mm256_loadu_ps(r[6] + k), v7 = _mm256_loadu_ps(r[7] + k);
+            transpose8(v0, v1, v2, v3, v4, v5, v6, v7);
+            float* d = xT + k * ldx + t0;
+            _mm256_storeu_ps(d, v0);
+            _mm256_storeu_ps(d + ldx, v1);
+            _mm256_storeu_ps(d + 2 * ldx, v2);
+            _mm256_storeu_ps(d + 3 * ldx, v3);
+            _mm256_storeu_ps(d + 4 * ldx, v4);
+            _mm256_storeu_ps(d + 5 * ldx, v5);
+            _mm256_storeu_ps(d + 6 * ldx, v6);
+            _mm256_storeu_ps(d + 7 * ldx, v7);
+        }
+        for (; k < K; ++k)
+            for (size_t i = 0; i < 8; ++i)
+                xT[k * ldx + t0 + i] = r[i][k];
     }
 }
 
@@ -216,27 +286,14 @@ inline void direct(const Packed& m, size_t e, size_t r0, size_t n, const float* 
 
 constexpr size_t kDirect = 2;  // experts with at most this many rows take `direct`
 
-// out[i][c] = dot(x[i], row r0 + c of expert e) for i < count, c < n: `direct` for few rows,
-// else the rows decompressed into `tile` (n x K) and `block`.
-inline void products(const Packed& m, size_t e, size_t r0, size_t n, const float* const* x, size_t count, float* tile,
-                     float* out, size_t ldo) {
-    if (count <= kDirect) {
-        for (size_t i = 0; i < count; ++i)
-            direct(m, e, r0, n, x[i], out + i * ldo);
-        return;
-    }
-    decompress(m, e, r0, n, tile);
-    block(x, count, tile, n, m.in(), out, ldo);
-}
-
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 #ifndef IQ36_GATE_ROWS
-#define IQ36_GATE_ROWS 32
+#define IQ36_GATE_ROWS 128
 #endif
 constexpr size_t kGateRows = IQ36_GATE_ROWS;  // rows of gate and of up per stage-1 task
 #ifndef IQ36_DOWN_ROWS
-#define IQ36_DOWN_ROWS 64
+#define IQ36_DOWN_ROWS 128
 #endif
 constexpr size_t kDownRows = IQ36_DOWN_ROWS;  // rows of down (output columns) per stage-2 task
 
@@ -275,8 +332,6 @@ public:
         const auto g = get_input_shape(4), u = get_input_shape(7), d = get_input_shape(10);
         NODE_VALIDATION_CHECK(this, g == u, "gate and up must have one shape");
         NODE_VALIDATION_CHECK(this, d[0] == g[0] && d[2] * d[3] == g[1], "down's inputs must be gate's outputs");
-        NODE_VALIDATION_CHECK(this, g[1] % experts::kGateRows == 0 && d[1] % experts::kDownRows == 0,
-                              "expert widths must be multiples of the tile sizes");
         const auto& x = get_input_partial_shape(0);
         NODE_VALIDATION_CHECK(this, x.rank().is_static() && x.rank().get_length() == 2, "x must be [T, H]");
         NODE_VALIDATION_CHECK(this, x[1].compatible(static_cast<int64_t>(g[2] * g[3])) && x[1].compatible(static_cast<int64_t>(d[1])),
@@ -348,50 +403,82 @@ public:
                 present.push_back(e);
 
         const float* xp = x.data<const float>();
-        std::vector<float> act(ids.size() * I);  // [bucketed (row, slot), I]
+        // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them),
+        // or [m, I] rows for an expert with at most kDirect rows (taken by `direct`).
+        std::vector<size_t> aoff(E + 1, 0), ld(E, 0);
+        for (size_t e = 0; e < E; ++e) {
+            const size_t m = start[e + 1] - start[e];
+            ld[e] = m > kDirect ? (m + 7) / 8 * 8 : 0;
+            aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
+        }
+        std::vector<float> act(aoff[E]);
+        const size_t ldmax = *std::max_element(ld.begin(), ld.end());
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
-        const size_t tiles = I / kGateRows;
+        const size_t tiles = (I + kGateRows - 1) / kGateRows;
         tbb::parallel_for(tbb::blocked_range<size_t>(0, present.size() * tiles), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> wg, wu, g, u;
+            thread_local std::vector<float> tile, xT, g, u, zero;
             thread_local std::vector<const float*> rows;
-            wg.resize(kGateRows * H);
-            wu.resize(kGateRows * H);
+            tile.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
+            zero.assign(H, 0.0f);
             for (size_t task = r.begin(); task != r.end(); ++task) {
-                const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows;
+                const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
                 const size_t b = start[e], m = start[e + 1] - b;
                 rows.resize(m);
                 for (size_t i = 0; i < m; ++i)
                     rows[i] = xp + token[b + i] * H;
-                g.resize(m * kGateRows);
-                u.resize(m * kGateRows);
-                products(gate, e, r0, kGateRows, rows.data(), m, wg.data(), g.data(), kGateRows);
-                products(up, e, r0, kGateRows, rows.data(), m, wu.data(), u.data(), kGateRows);
-                for (size_t i = 0; i < m; ++i)
-                    for (size_t c = 0; c < kGateRows; ++c)
-                        act[(b + i) * I + r0 + c] = silu(g[i * kGateRows + c]) * u[i * kGateRows + c];
+                float* a = act.data() + aoff[e];
+                if (m <= kDirect) {
+                    g.resize(kGateRows);
+                    u.resize(kGateRows);
+                    for (size_t i = 0; i < m; ++i) {
+                        direct(gate, e, r0, nr, rows[i], g.data());
+                        direct(up, e, r0, nr, rows[i], u.data());
+                        for (size_t c = 0; c < nr; ++c)
+                            a[i * I + r0 + c] = silu(g[c]) * u[c];
+                    }
+                    continue;
+                }
+                const size_t n = ld[e];
+                xT.resize(H * n);
+                transpose_rows(rows.data(), m, zero.data(), H, xT.data(), n);
+                g.resize(kGateRows * n);
+                u.resize(kGateRows * n);
+                products(gate, e, r0, nr, xT.data(), n, n / 8, tile.data(), g.data(), n);
+                products(up, e, r0, nr, xT.data(), n, n / 8, tile.data(), u.data(), n);
+                for (size_t c = 0; c < nr; ++c)
+                    for (size_t t = 0; t < n; ++t)  // padded columns: silu(0) * 0 = 0
+                        a[(r0 + c) * n + t] = silu(g[c * n + t]) * u[c * n + t];
             }
         });
 
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
-        tbb::parallel_for(tbb::blocked_range<size_t>(0, H / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> wd, out;
-            thread_local std::vector<const float*> rows;
-            wd.resize(kDownRows * I);
+        tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
+            thread_local std::vector<float> tile, out;
+            tile.resize(kDownRows * slice_of(down));
+            out.resize(kDownRows * std::max(ldmax, kDirect));
             for (size_t task = r.begin(); task != r.end(); ++task) {
-                const size_t c0 = task * kDownRows;
+                const size_t c0 = task * kDownRows, nc = std::min(kDownRows, H - c0);
                 for (size_t e : present) {
                     const size_t b = start[e], m = start[e + 1] - b;
-                    rows.resize(m);
-                    for (size_t i = 0; i < m; ++i)
-                        rows[i] = act.data() + (b + i) * I;
-                    out.resize(m * kDownRows);
-                    products(down, e, c0, kDownRows, rows.data(), m, wd.data(), out.data(), kDownRows);
+                    const float* a = act.data() + aoff[e];
+                    if (m <= kDirect) {
+                        for (size_t i = 0; i < m; ++i) {
+                            direct(down, e, c0, nc, a + i * I, out.data());
+                            float* dst = y + token[b + i] * H + c0;
+                            const float w = route[b + i];
+                            for (size_t c = 0; c < nc; ++c)
+                                dst[c] += w * out[c];
+                        }
+                        continue;
+                    }
+                    const size_t n = ld[e];
+                    products(down, e, c0, nc, a, n, n / 8, tile.data(), out.data(), n);
                     for (size_t i = 0; i < m; ++i) {
                         float* dst = y + token[b + i] * H + c0;
                         const float w = route[b + i];
-                        for (size_t c = 0; c < kDownRows; ++c)
-                            dst[c] += w * out[i * kDownRows + c];
+                        for (size_t c = 0; c < nc; ++c)
+                            dst[c] += w * out[c * n + i];
                     }
                 }
             }
