@@ -5,7 +5,8 @@
 Each mode is the locked IR + `last_token_logits`, then: `plain` nothing more; `phase` the
 `phase_experts` kernel; `native` the `native_experts` kernel (`native-all`: its op takes decode
 rows too); `if` every MoE block in both branches of an `If` (the same block twice: what the `If`
-alone costs). A `+head` suffix (`plain+head`, `native+head`) adds the `lm_head_u8` kernel. All
+alone costs). Suffixes add kernels: `+head` the `lm_head_u8` kernel, `+gdn` the `native_gdn`
+kernel (`plain+head`, `native+gdn`, `native+gdn+head`). All
 modes are compiled in this one process and timed in interleaved ABBA rounds (a prefill of
 `--tokens`, then `--decode` single-token steps each), so the machine's drift hits every mode
 alike. Prints each mode's median prefill time and median decode step.
@@ -32,7 +33,7 @@ def main() -> int:
     import openvino as ov
 
     from iq36.cli import resolve_model
-    from kernels import last_token_logits, lm_head_u8, native, native_experts, phase_experts
+    from kernels import last_token_logits, lm_head_u8, native, native_experts, native_gdn, phase_experts
     from worker.reference import stateful_feed
 
     core = ov.Core()
@@ -44,11 +45,14 @@ def main() -> int:
     names: dict[str, set[str]] = {}
     for mode in modes:
         model = last_token_logits.apply(core.read_model(xml))
-        base, _, head = mode.partition("+")
-        if head == "head":
-            lm_head_u8.apply(model)
-        elif head:
-            raise SystemExit(f"unknown mode {mode!r}")
+        base, *extras = mode.split("+")
+        for extra in extras:
+            if extra == "head":
+                lm_head_u8.apply(model)
+            elif extra == "gdn":
+                native_gdn.apply(model)
+            else:
+                raise SystemExit(f"unknown mode {mode!r}")
         if base == "phase":
             phase_experts.apply(model)
         elif base == "native":

@@ -5,12 +5,15 @@
 // parallelises itself with TBB, the plugin's own threading runtime, so it shares its workers.
 //
 // The ops: U8Linear (u8_linear.hpp: the int8 LM head's GEMV) and U4Experts (u4_experts.hpp: a
-// MoE block's routed experts for a chunk of tokens, on the u4 weights).
+// MoE block's routed experts for a chunk of tokens, on the u4 weights) and GatedDeltaRule
+// (gated_delta.hpp: a linear-attention layer's recurrence over a chunk of tokens).
 
 #include "u8_linear.hpp"
 #include "u4_experts.hpp"
+#include "gated_delta.hpp"
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<iq36::U8Linear>>(),
     std::make_shared<ov::OpExtension<iq36::U4Experts>>(),
+    std::make_shared<ov::OpExtension<iq36::GatedDeltaRule>>(),
 }));

@@ -79,6 +79,12 @@ def _native_experts(model: Any) -> Any:
     return native_experts.apply(model)
 
 
+def _native_gdn(model: Any) -> Any:
+    from kernels import native_gdn
+
+    return native_gdn.apply(model)
+
+
 def _grouped_experts(model: Any) -> Any:
     from kernels import grouped_experts
 
@@ -96,6 +102,8 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "phase_experts": (_phase_experts, False),
     # phase_experts' layout with the native U4Experts op in place of its Loop (CPU, kernels/native)
     "native_experts": (_native_experts, False),
+    # each linear-attention layer's gated delta rule as the native GatedDeltaRule op (CPU)
+    "native_gdn": (_native_gdn, False),
 }
 # Kernels that rewrite the same blocks: at most one of each group may be on.
 _EXCLUSIVE = ({"phase_experts", "native_experts"},)
@@ -109,7 +117,7 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 }
 
 
-_NATIVE_OPS = {"U8Linear", "U4Experts"}  # kernels/native ops a rewrite may insert
+_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule"}  # kernels/native ops a rewrite may insert
 
 
 def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str]]:

@@ -1,0 +1,151 @@
+// GatedDeltaRule: the gated delta rule recurrence of a linear-attention (GatedDeltaNet) layer over
+// a chunk of tokens, replacing the exported per-token Loop.
+//
+// GatedDeltaRule(q, k, v, g, beta, state) -> (out, state_out)
+//   q, k   f32 [B, H, T, dk]
+//   v      f32 [B, H, T, dv]
+//   g      f32 [B, H, T]      log decay
+//   beta   f32 [B, H, T]
+//   state  f32 [B, H, dk, dv] the recurrent state before the chunk
+//   out    f32 [B, H, T, dv]
+//   state_out f32 [B, H, dk, dv] after the chunk
+//
+// Per token t, as the exported loop body computes it (S = state, rows i < dk, columns j < dv):
+//   S = S * exp(g_t)
+//   kv[j] = sum_i S[i, j] * k_t[i]
+//   delta = (v_t - kv) * beta_t
+//   S[i, j] += k_t[i] * delta[j]
+//   out_t[j] = sum_i S[i, j] * q_t[i]
+// How: one task per (batch, head); the state stays in that task's cache for the whole chunk and
+// is walked twice per token (decay + kv, then update + out) instead of the loop's five
+// full-tensor ops, each with its own buffers and threading. Sums run over i in order, vectorised
+// over j.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <openvino/op/op.hpp>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+namespace iq36 {
+
+namespace gdn {
+
+// One head over T tokens; S (dk x dv) updated in place.
+inline void head(const float* q, const float* k, const float* v, const float* g, const float* beta, size_t T, size_t dk,
+                 size_t dv, float* S, float* out, float* kv) {
+    for (size_t t = 0; t < T; ++t) {
+        const float* qt = q + t * dk;
+        const float* kt = k + t * dk;
+        const float* vt = v + t * dv;
+        float* ot = out + t * dv;
+        const __m256 decay = _mm256_set1_ps(std::exp(g[t]));
+        const float decay_s = std::exp(g[t]);
+        // pass 1: S *= exp(g); kv = k . S
+        size_t j = 0;
+        for (; j < dv; ++j)
+            kv[j] = 0.0f;
+        for (size_t i = 0; i < dk; ++i) {
+            float* row = S + i * dv;
+            const __m256 ki = _mm256_set1_ps(kt[i]);
+            for (j = 0; j + 8 <= dv; j += 8) {
+                const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + j), decay);
+                _mm256_storeu_ps(row + j, s);
+                _mm256_storeu_ps(kv + j, _mm256_fmadd_ps(s, ki, _mm256_loadu_ps(kv + j)));
+            }
+            for (; j < dv; ++j) {
+                row[j] *= decay_s;
+                kv[j] += row[j] * kt[i];
+            }
+        }
+        // delta = (v - kv) * beta, kept in kv
+        const float b = beta[t];
+        for (j = 0; j < dv; ++j)
+            kv[j] = (vt[j] - kv[j]) * b;
+        // pass 2: S += k (x) delta; out = q . S
+        for (j = 0; j < dv; ++j)
+            ot[j] = 0.0f;
+        for (size_t i = 0; i < dk; ++i) {
+            float* row = S + i * dv;
+            const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]);
+            for (j = 0; j + 8 <= dv; j += 8) {
+                const __m256 s = _mm256_fmadd_ps(ki, _mm256_loadu_ps(kv + j), _mm256_loadu_ps(row + j));
+                _mm256_storeu_ps(row + j, s);
+                _mm256_storeu_ps(ot + j, _mm256_fmadd_ps(s, qi, _mm256_loadu_ps(ot + j)));
+            }
+            for (; j < dv; ++j) {
+                row[j] += kt[i] * kv[j];
+                ot[j] += row[j] * qt[i];
+            }
+        }
+    }
+}
+
+}  // namespace gdn
+
+class GatedDeltaRule final : public ov::op::Op {
+public:
+    OPENVINO_OP("GatedDeltaRule", "iq36");
+
+    GatedDeltaRule() = default;
+    explicit GatedDeltaRule(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
+
+    void validate_and_infer_types() override {
+        NODE_VALIDATION_CHECK(this, get_input_size() == 6, "GatedDeltaRule takes q, k, v, g, beta, state");
+        for (size_t i = 0; i < 6; ++i)
+            NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::f32, "inputs must be f32");
+        const auto& q = get_input_partial_shape(0);
+        const auto& v = get_input_partial_shape(2);
+        const auto& s = get_input_partial_shape(5);
+        NODE_VALIDATION_CHECK(this, q.rank().compatible(4) && v.rank().compatible(4) && s.rank().compatible(4),
+                              "q, k, v must be [B, H, T, d] and state [B, H, dk, dv]");
+        NODE_VALIDATION_CHECK(this, get_input_partial_shape(3).rank().compatible(3) && get_input_partial_shape(4).rank().compatible(3),
+                              "g and beta must be [B, H, T]");
+        set_output_type(0, ov::element::f32, v);
+        set_output_type(1, ov::element::f32, s);
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+        return std::make_shared<GatedDeltaRule>(args);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor&) override { return true; }
+    bool has_evaluate() const override { return true; }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        const auto qs = inputs[0].get_shape(), vs = inputs[2].get_shape(), ss = inputs[5].get_shape();
+        const size_t B = qs[0], H = qs[1], T = qs[2], dk = qs[3], dv = vs[3];
+        if (inputs[1].get_shape() != qs || vs[0] != B || vs[1] != H || vs[2] != T || ss != ov::Shape{B, H, dk, dv} ||
+            inputs[3].get_shape() != ov::Shape{B, H, T} || inputs[4].get_shape() != ov::Shape{B, H, T})
+            return false;
+        outputs[0].set_shape(vs);
+        outputs[1].set_shape(ss);
+        const float* q = inputs[0].data<const float>();
+        const float* k = inputs[1].data<const float>();
+        const float* v = inputs[2].data<const float>();
+        const float* g = inputs[3].data<const float>();
+        const float* beta = inputs[4].data<const float>();
+        const float* s0 = inputs[5].data<const float>();
+        float* out = outputs[0].data<float>();
+        float* s1 = outputs[1].data<float>();
+        tbb::parallel_for(tbb::blocked_range<size_t>(0, B * H), [&](const tbb::blocked_range<size_t>& r) {
+            thread_local std::vector<float> kv;
+            kv.resize(dv);
+            for (size_t bh = r.begin(); bh != r.end(); ++bh) {
+                float* S = s1 + bh * dk * dv;
+                std::copy_n(s0 + bh * dk * dv, dk * dv, S);
+                gdn::head(q + bh * T * dk, k + bh * T * dk, v + bh * T * dv, g + bh * T, beta + bh * T, T, dk, dv, S,
+                          out + bh * T * dv, kv.data());
+            }
+        });
+        return true;
+    }
+};
+
+}  // namespace iq36
