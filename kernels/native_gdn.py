@@ -11,7 +11,8 @@ per token.
 The rewrite recognises the loop by its body (the state merged through Exp/Multiply/ReduceSum/
 Subtract/Add, the output written by ScatterUpdate), identifies q, k, v, g and beta by how the
 body uses them, and replaces the loop's two outputs (per-token outputs and final state) with the
-op's. Same math in f32, sums in another order. CPU only.
+op's. Same math in f32, sums in another order. The state is read without the export's beam-index
+reorder (an identity at batch 1 with beam_idx = [0], which is all iq36 feeds). CPU only.
 """
 
 from __future__ import annotations
@@ -106,6 +107,21 @@ def _roles(loop: Any) -> dict[str, int] | None:
     return roles
 
 
+def _without_beam_reorder(state: Any) -> Any:
+    """The stateful export reorders each state by the `beam_idx` input (a Gather on axis 0) before
+    use; iq36 runs batch 1 and always feeds beam_idx = [0] (worker.reference.stateful_feed), so
+    the reorder is an identity that copies the 2 MB state every step. Read the state directly."""
+    gather = state.get_node()
+    if gather.get_type_name() != "Gather" or gather.input_value(0).get_node().get_type_name() != "ReadValue":
+        return state
+    index, axis = gather.input_value(1).get_node(), gather.input_value(2).get_node()
+    if index.get_type_name() != "Parameter" or index.get_friendly_name() != "beam_idx":
+        return state
+    if axis.get_type_name() != "Constant" or axis.get_vector().tolist() != [0]:
+        return state
+    return gather.input_value(0)
+
+
 def _unpack_concat(node: Any) -> None:
     """The export packs the loop's two outputs into one flat tensor (Reshape -> Concat) and cuts
     them out again (Slice -> Reshape). The plugin's fused node absorbs that; left alone, its
@@ -154,6 +170,7 @@ def apply(model: Any) -> Any:
         if roles is None:
             continue
         args = [loop.input_value(roles[r]) for r in ("q", "k", "v", "g", "beta", "state")]
+        args[5] = _without_beam_reorder(args[5])
         node = native.factory().create("GatedDeltaRule", args)
         node.set_friendly_name(f"{loop.get_friendly_name()}/{NAME}")
         for mine, theirs in ((0, roles["out"]), (1, roles["state_out"])):

@@ -85,6 +85,7 @@ def test_every_linear_attention_loop_is_replaced(tiny_dir: Path) -> None:
         if node.get_type_name() == "GatedDeltaRule":
             users = [t.get_node().get_type_name() for o in node.outputs() for t in o.get_target_inputs()]
             assert "Reshape" not in users, users
+            assert node.input_value(5).get_node().get_type_name() == "ReadValue"  # no beam reorder at batch 1
 
 
 @pytest.mark.parametrize("chunks", [[1], [17], [100, 1, 1], [256] * 4], ids=["1", "17", "100+decode", "4x256"])
