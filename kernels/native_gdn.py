@@ -139,6 +139,7 @@ def _unpack_concat(node: Any) -> None:
     concat = next(iter(concats.values()))
     if concat.get_type_name() != "Concat" or [concat.input_value(i).get_node() for i in range(2)] != flats:
         return
+    rewires = []  # (final Reshape, the op's output it reproduces)
     for sl in _consumers(concat.output(0)):
         if sl.get_type_name() not in ("Slice", "StridedSlice"):
             return
@@ -149,14 +150,10 @@ def _unpack_concat(node: Any) -> None:
             if reshape.get_type_name() != "Reshape" or \
                     not reshape.get_output_partial_shape(0).compatible(mine.get_partial_shape()):
                 return
-    for sl in _consumers(concat.output(0)):
-        start = sl.input_value(1).get_node()
-        first = start.get_type_name() == "Constant" and not start.get_vector().any()
-        mine = node.output(0 if first else 1)
-        for reshape in _consumers(sl.output(0)):
-            for target in list(reshape.output(0).get_target_inputs()):
-                target.replace_source_output(mine)
-
+            rewires.append((reshape, mine))
+    for reshape, mine in rewires:
+        for target in list(reshape.output(0).get_target_inputs()):
+            target.replace_source_output(mine)
 
 def apply(model: Any) -> Any:
     """Rewrite `model` (before compile) in place; returns it. Raises RewriteError if the model

@@ -24,6 +24,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -45,12 +46,11 @@ inline void head(const float* q, const float* k, const float* v, const float* g,
         const float* kt = k + t * dk;
         const float* vt = v + t * dv;
         float* ot = out + t * dv;
-        const __m256 decay = _mm256_set1_ps(std::exp(g[t]));
         const float decay_s = std::exp(g[t]);
+        const __m256 decay = _mm256_set1_ps(decay_s);
         // pass 1: S *= exp(g); kv = k . S
-        size_t j = 0;
-        for (; j < dv; ++j)
-            kv[j] = 0.0f;
+        std::fill(kv, kv + dv, 0.0f);
+        size_t j;
         for (size_t i = 0; i < dk; ++i) {
             float* row = S + i * dv;
             const __m256 ki = _mm256_set1_ps(kt[i]);
@@ -69,8 +69,7 @@ inline void head(const float* q, const float* k, const float* v, const float* g,
         for (j = 0; j < dv; ++j)
             kv[j] = (vt[j] - kv[j]) * b;
         // pass 2: S += k (x) delta; out = q . S
-        for (j = 0; j < dv; ++j)
-            ot[j] = 0.0f;
+        std::fill(ot, ot + dv, 0.0f);
         for (size_t i = 0; i < dk; ++i) {
             float* row = S + i * dv;
             const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]);

@@ -151,7 +151,6 @@ inline void kernel(const float* w, size_t ldw, const float* xT, size_t ldx, size
         }
 }
 
-using Kernel = void (*)(const float*, size_t, const float*, size_t, size_t, float*, size_t, bool);
 // Register blocks (12 accumulators, the token vectors and one broadcast in 16 ymm registers):
 // 6 weight rows x 2 token vectors, 4 x 3 for a run of 3 vectors, 6 x 1 for a last single one.
 template <int C, int V>
