@@ -6,7 +6,8 @@ Each mode is the locked IR + `last_token_logits`, then: `plain` nothing more; `p
 `phase_experts` kernel; `native` the `native_experts` kernel (`native-all`: its op takes decode
 rows too); `if` every MoE block in both branches of an `If` (the same block twice: what the `If`
 alone costs). Suffixes add kernels: `+head` the `lm_head_u8` kernel, `+gdn` the `native_gdn`
-kernel (`plain+head`, `native+gdn`, `native+gdn+head`). All
+kernel, `+q16` the `q16_decode` kernel (`plain+head`, `native+gdn`, `native+gdn+q16`), applied
+after the base's rewrite in the order given. All
 modes are compiled in this one process and timed in interleaved ABBA rounds (a prefill of
 `--tokens`, then `--decode` single-token steps each), so the machine's drift hits every mode
 alike. Prints each mode's median prefill time and median decode step.
@@ -33,7 +34,7 @@ def main() -> int:
     import openvino as ov
 
     from iq36.cli import resolve_model
-    from kernels import last_token_logits, lm_head_u8, native, native_experts, native_gdn, phase_experts
+    from kernels import last_token_logits, lm_head_u8, native, native_experts, native_gdn, phase_experts, q16_decode
     from worker.reference import stateful_feed
 
     core = ov.Core()
@@ -46,13 +47,6 @@ def main() -> int:
     for mode in modes:
         model = last_token_logits.apply(core.read_model(xml))
         base, *extras = mode.split("+")
-        for extra in extras:
-            if extra == "head":
-                lm_head_u8.apply(model)
-            elif extra == "gdn":
-                native_gdn.apply(model)
-            else:
-                raise SystemExit(f"unknown mode {mode!r}")
         if base == "phase":
             phase_experts.apply(model)
         elif base == "native":
@@ -63,6 +57,15 @@ def main() -> int:
             phase_experts.wrap_blocks(model, 2, None)
         elif base != "plain":
             raise SystemExit(f"unknown mode {mode!r}")
+        for extra in extras:
+            if extra == "head":
+                lm_head_u8.apply(model)
+            elif extra == "gdn":
+                native_gdn.apply(model)
+            elif extra == "q16":
+                q16_decode.apply(model)
+            else:
+                raise SystemExit(f"unknown mode {mode!r}")
         props: dict[str, object] = {"PERFORMANCE_HINT": "LATENCY"}
         if args.threads:
             props["INFERENCE_NUM_THREADS"] = args.threads

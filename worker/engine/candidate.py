@@ -85,6 +85,12 @@ def _native_gdn(model: Any) -> Any:
     return native_gdn.apply(model)
 
 
+def _q16_decode(model: Any) -> Any:
+    from kernels import q16_decode
+
+    return q16_decode.apply(model)
+
+
 def _grouped_experts(model: Any) -> Any:
     from kernels import grouped_experts
 
@@ -104,6 +110,9 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "native_experts": (_native_experts, False),
     # each linear-attention layer's gated delta rule as the native GatedDeltaRule op (CPU)
     "native_gdn": (_native_gdn, False),
+    # decode rows of the compressed dense matmuls (and the LM head) on int16-rounded activations
+    # through the native Q16Linear op (CPU); last, after the rewrites that walk the MoE blocks
+    "q16_decode": (_q16_decode, False),
 }
 # Kernels that rewrite the same blocks: at most one of each group may be on.
 _EXCLUSIVE = ({"phase_experts", "native_experts"},)
@@ -117,7 +126,7 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 }
 
 
-_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule"}  # kernels/native ops a rewrite may insert
+_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear"}  # kernels/native ops a rewrite may insert
 
 
 def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str]]:

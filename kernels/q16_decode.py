@@ -1,0 +1,171 @@
+"""Kernel `q16_decode`: decode rows of the compressed dense matmuls through the native `Q16Linear`.
+
+Why (docs/perf-log.md, "Decode: int16 activations"): a decode step is the LM head (u8) and the
+dense u4 matmuls at batch 1, and on an AVX2 CPU without VNNI the plugin's compressed-weights
+kernels are bound by widening every weight to f32 (u4: 4-6 GB/s against ~26 GB/s of read
+bandwidth). `Q16Linear` (kernels/native/q16_linear.hpp) rounds the activation row to int16 per
+block of 128 inputs and multiplies the integer weights with `pmaddwd`: about half the
+instructions per weight.
+
+Which matmuls: `MatMul(x, Convert(Reshape?(Multiply(Subtract(Convert(w), Convert(zp)), scale))),
+transpose_b)` with u4/u8 weights of shape [N, G, g] (or the LM head's u8 [N, K]), groups a
+multiple of 128 inputs, at least `MIN_BYTES` of weights (smaller ones cost less than the split
+around them), and not a router (a matmul feeding a Softmax: rounding its input would move which
+experts are picked at near-ties). The routed experts (rank-4 weights) are not dense matmuls.
+
+How: the LM head after `last_token_logits` has one row in both phases and is replaced outright.
+Every other matmul keeps both paths in one graph (no `If`, whose body the plugin runs on one
+thread):
+
+    n = T if T > MAX_ROWS else 0        rows for the plugin's own kernel (prefill chunks)
+    y = concat(MatMul(x[:n]), Q16Linear(x[n:]))   along the rows axis
+
+so prefill keeps the plugin's f32 kernels and decode (T = 1) runs the op. Same constants: no
+copy of the weights. Numerics: the activations' rounding (<= 0.5/32767 of each 128-input
+block's largest magnitude) is the only difference from the plugin beyond summation order;
+`tests/test_q16_decode.py` bounds it and checks greedy generation.
+
+CPU only (the op runs through the CPU plugin's `evaluate`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+NAME = "q16_decode"
+MAX_ROWS = 4  # chunks of up to this many rows run the op (decode); larger ones the plugin's kernel
+MIN_BYTES = 128 * 1024  # weights below this stay on the plugin (the router, gates, tiny projections)
+BLOCK = 128  # the op's activation block: weight groups must be multiples of it
+
+
+class RewriteError(RuntimeError):
+    pass
+
+
+def _skip_converts(output: Any) -> Any:
+    while output.get_node().get_type_name() == "Convert":
+        output = output.get_node().input_value(0)
+    return output
+
+
+def _constant(output: Any) -> Any | None:
+    node = _skip_converts(output).get_node()
+    return node if node.get_type_name() == "Constant" else None
+
+
+def _decompression(weight: Any) -> tuple[Any, Any, Any] | None:
+    """(w, zp, scale) constants of an exported u4/u8 decompression chain, or None."""
+    node = _skip_converts(weight).get_node()
+    if node.get_type_name() == "Reshape":
+        node = _skip_converts(node.input_value(0)).get_node()
+    if node.get_type_name() != "Multiply":
+        return None
+    a, b = (node.input_value(i) for i in range(2))
+    if _skip_converts(a).get_node().get_type_name() != "Subtract":
+        a, b = b, a
+    sub, scale = _skip_converts(a).get_node(), _constant(b)
+    if sub.get_type_name() != "Subtract" or scale is None:
+        return None
+    w, zp = _constant(sub.input_value(0)), _constant(sub.input_value(1))
+    if w is None or zp is None:
+        return None
+    if w.get_output_element_type(0).get_type_name() not in ("u4", "u8"):
+        return None
+    if zp.get_output_element_type(0).get_type_name() not in ("u4", "u8"):
+        return None
+    if scale.get_output_element_type(0).get_type_name() not in ("f16", "f32"):
+        return None
+    return w, zp, scale
+
+
+def _eligible(matmul: Any, min_bytes: int) -> tuple[Any, Any, Any] | None:
+    attrs = matmul.get_attributes()
+    if attrs.get("transpose_a") or not attrs.get("transpose_b"):
+        return None
+    parts = _decompression(matmul.input_value(1))
+    if parts is None:
+        return None
+    w, zp, scale = parts
+    shape = list(w.get_output_shape(0))
+    if len(shape) == 3:
+        n, groups, group = shape
+    elif len(shape) == 2 and w.get_output_element_type(0).get_type_name() == "u8":
+        (n, group), groups = shape, 1
+    else:
+        return None  # the routed experts' stacked [E, O, G, g] and anything else
+    if group % BLOCK or int(np.prod(zp.get_output_shape(0))) != n * groups:
+        return None
+    if int(np.prod(scale.get_output_shape(0))) != n * groups:
+        return None
+    bits = 4 if w.get_output_element_type(0).get_type_name() == "u4" else 8
+    if n * groups * group * bits // 8 < min_bytes:
+        return None
+    if any(t.get_node().get_type_name() == "Softmax" for t in matmul.output(0).get_target_inputs()):
+        return None  # a router
+    rank = matmul.get_input_partial_shape(0).rank
+    if rank.is_dynamic or rank.get_length() < 2:
+        return None
+    return w, zp, scale
+
+
+def _split(matmul: Any, op_node: Any) -> Any:
+    """concat(MatMul(x[:n]), op(x[n:])) along the rows axis, n = T if T > MAX_ROWS else 0."""
+    from openvino import opset15 as op
+
+    x = matmul.input_value(0)
+    axis = x.get_partial_shape().rank.get_length() - 2
+    i64 = np.int64
+    rows = op.gather(op.shape_of(x), op.constant(np.array([axis], i64)), op.constant(i64(0)))
+    n = op.select(op.greater(rows, op.constant(np.array([MAX_ROWS], i64))), rows, op.constant(np.array([0], i64)))
+    one, big = op.constant(np.array([1], i64)), op.constant(np.array([np.iinfo(i64).max], i64))
+    ax = op.constant(np.array([axis], i64))
+    head = op.slice(x, op.constant(np.array([0], i64)), n, one, ax)
+    tail = op.slice(x, n, big, one, ax)
+    plugin = op.matmul(head, matmul.input_value(1), False, True)
+    plugin.set_friendly_name(matmul.get_friendly_name())
+    native = op_node([tail.output(0)])
+    return op.concat([plugin.output(0), native.output(0)], axis)
+
+
+def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True) -> Any:
+    """Rewrite `model` (before compile) in place; returns it. `min_bytes`: smaller weights stay
+    on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it)."""
+    from kernels import native
+    from kernels.last_token_logits import RewriteError as HeadError
+    from kernels.last_token_logits import _logits_matmul
+
+    native.require_cpu(NAME, RewriteError)
+    try:
+        head_node = _logits_matmul(model)
+    except HeadError:
+        head_node = None
+    head_sliced = head_node is not None and head_node.input_value(0).get_node().get_friendly_name().endswith(
+        "/last_token_logits")
+    factory = native.factory()
+    done = 0
+    for matmul in model.get_ordered_ops():
+        if matmul.get_type_name() != "MatMul":
+            continue
+        is_head = head_sliced and matmul.get_name() == head_node.get_name()
+        parts = _eligible(matmul, min_bytes)
+        if parts is None or (is_head and not head):
+            continue
+        consts = [c.output(0) for c in parts]
+
+        def q16(inputs: list[Any], consts: list[Any] = consts) -> Any:
+            return factory.create("Q16Linear", [*inputs, *consts])
+
+        if is_head:
+            out = q16([matmul.input_value(0)]).output(0)
+        else:
+            out = _split(matmul, q16).output(0)
+        out.get_node().set_friendly_name(f"{matmul.get_friendly_name()}/{NAME}")
+        for target in list(matmul.output(0).get_target_inputs()):
+            target.replace_source_output(out)
+        done += 1
+    if not done:
+        raise RewriteError("no compressed dense matmul of the exported pattern was found")
+    model.validate_nodes_and_infer_types()
+    return model
