@@ -3,15 +3,16 @@
 Why (docs/perf-log.md, "Decode: int16 activations"): a decode step is the LM head (u8) and the
 dense u4 matmuls at batch 1, and on an AVX2 CPU without VNNI the plugin's compressed-weights
 kernels are bound by widening every weight to f32 (u4: 4-6 GB/s against ~26 GB/s of read
-bandwidth). `Q16Linear` (kernels/native/q16_linear.hpp) rounds the activation row to int16 per
-block of 128 inputs and multiplies the integer weights with `pmaddwd`: about half the
-instructions per weight.
+bandwidth). `Q16Linear` (kernels/native/q16_linear.hpp) writes the activation row as two int16
+terms per block of 128 inputs (f32-level precision) and multiplies the integer weights with
+`pmaddwd`; the routed experts' decode rows take the same products inside `U4Experts`.
 
 Which matmuls: `MatMul(x, Convert(Reshape?(Multiply(Subtract(Convert(w), Convert(zp)), scale))),
 transpose_b)` with u4/u8 weights of shape [N, G, g] (or the LM head's u8 [N, K]), groups a
 multiple of 128 inputs, at least `MIN_BYTES` of weights (smaller ones cost less than the split
-around them), and not a router (a matmul feeding a Softmax: rounding its input would move which
-experts are picked at near-ties). The routed experts (rank-4 weights) are not dense matmuls.
+around them), and not a router (a matmul feeding a Softmax: it picks the experts, where a
+difference in the last bit can swap two near-tied ones; it is small, so it stays on the plugin).
+The routed experts (rank-4 weights) are not dense matmuls.
 
 How: the LM head after `last_token_logits` has one row in both phases and is replaced outright.
 Every other matmul keeps both paths in one graph (no `If`, whose body the plugin runs on one
@@ -21,9 +22,10 @@ thread):
     y = concat(MatMul(x[:n]), Q16Linear(x[n:]))   along the rows axis
 
 so prefill keeps the plugin's f32 kernels and decode (T = 1) runs the op. Same constants: no
-copy of the weights. Numerics: the activations' rounding (<= 0.5/32767 of each 128-input
-block's largest magnitude) is the only difference from the plugin beyond summation order;
-`tests/test_q16_decode.py` bounds it and checks greedy generation.
+copy of the weights. A `native_experts` block's U4Experts op takes every row (`q16_rows`), its
+fused block dropped (`_experts_to_op`). Numerics: as close to float64 as the plugin's kernels
+(the activations' two-term representation costs <= 2^-17 of a block's largest magnitude);
+`tests/test_q16_decode.py` checks the op, the split, the logits and greedy generation.
 
 CPU only (the op runs through the CPU plugin's `evaluate`).
 """
@@ -129,6 +131,28 @@ def _split(matmul: Any, op_node: Any) -> Any:
     return op.concat([plugin.output(0), native.output(0)], axis)
 
 
+def _experts_to_op(node: Any, factory: Any) -> None:
+    """A `native_experts` block: every row to its U4Experts op (with `q16_rows`, so decode rows
+    take int16 activations), the plugin's fused block dropped. The fused block cannot run the
+    decode row's split to zero rows (a reshape inside the plugin's fused pattern rejects an
+    empty chunk), and on one row it would read the same experts' weights again. Prefill chunks
+    are unchanged but for their first row, which the op's f32 tiles now compute too."""
+    from openvino import opset15 as op
+
+    users = [t.get_node() for t in node.output(0).get_target_inputs()]
+    if len(users) != 1 or users[0].get_type_name() != "Slice":
+        raise RewriteError("a U4Experts op without native_experts' row slice after it")
+    concats = [t.get_node() for t in users[0].output(0).get_target_inputs()]
+    if len(concats) != 1 or concats[0].get_type_name() != "Concat":
+        raise RewriteError("a U4Experts op without native_experts' concat of the two paths")
+    args = [node.input_value(i) for i in range(node.get_input_size())]
+    args[3] = op.constant(np.array([0], np.int64)).output(0)
+    new = factory.create("U4Experts", args, {"q16_rows": MAX_ROWS})
+    new.set_friendly_name(f"{node.get_friendly_name()}/{NAME}")
+    for target in list(concats[0].output(0).get_target_inputs()):
+        target.replace_source_output(new.output(0))
+
+
 def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True) -> Any:
     """Rewrite `model` (before compile) in place; returns it. `min_bytes`: smaller weights stay
     on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it)."""
@@ -146,6 +170,10 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True) -> Any:
     factory = native.factory()
     done = 0
     for matmul in model.get_ordered_ops():
+        if matmul.get_type_name() == "U4Experts":
+            _experts_to_op(matmul, factory)
+            done += 1
+            continue
         if matmul.get_type_name() != "MatMul":
             continue
         is_head = head_sliced and matmul.get_name() == head_node.get_name()

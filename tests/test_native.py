@@ -109,7 +109,10 @@ def test_u4_experts_walks_every_tile_and_tail(skip: int) -> None:
 
 
 def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scale_type: type, experts: int,
-                      hidden: int, width: int, groups: tuple[int, int]) -> None:
+                      hidden: int, width: int, groups: tuple[int, int], q16_rows: int = 0,
+                      tol: float = 1e-5) -> np.ndarray:
+    """Runs the op (with the `q16_rows` attribute) against float64 within `tol` of the scale;
+    returns its output."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -125,7 +128,7 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
     pidx = op.parameter([-1, k], idx_type, name="idx")
     pw = op.parameter([-1, k], np.float32, name="weights")
     skip_c = op.constant(np.array([skip], np.int64))
-    node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down])
+    node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down], {"q16_rows": q16_rows})
     core = ov.Core()
     request = core.compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()
     got = np.array(request.infer({"x": x, "idx": idx, "weights": weights})[0])
@@ -139,7 +142,8 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
             expected[t] += weights[t, j] * (d[e] @ (a / (1 + np.exp(-a)) * b))
     assert got.shape == (tokens, hidden)
     assert not got[:skip].any()
-    assert np.abs(got - expected).max() <= 1e-5 * max(1.0, float(np.abs(expected).max()))
+    assert np.abs(got - expected).max() <= tol * max(1.0, float(np.abs(expected).max()))
+    return got
 
 
 def test_u4_experts_rejects_out_of_range_experts() -> None:

@@ -59,26 +59,22 @@ def _weights(rng: np.random.Generator, kind: str, n: int, k: int, group: int, sc
 
 
 def _bound(x: np.ndarray, dense: np.ndarray) -> np.ndarray:
-    """What rounding x to int16 per 128-input block may cost each output: sum over blocks of
-    0.5 * (block max / 32767) * sum |dense| over the block; plus f32 accumulation."""
+    """f32 accuracy for each output: 1e-6 of sum |x| |w|. Rounding x to two int16 terms per
+    128-input block costs at most 2^-17 of the block's largest magnitude per input: far below."""
     rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
-    blocks = rows.reshape(rows.shape[0], -1, 128)
-    step = 0.5 * np.abs(blocks).max(axis=2) / 32767  # [M, B]
-    weight = np.abs(dense).reshape(dense.shape[0], -1, 128).sum(axis=2)  # [N, B]
-    f32 = 1e-6 * (np.abs(rows) @ np.abs(dense).T)
-    return (step @ weight.T + f32).reshape(*x.shape[:-1], dense.shape[0])
+    return (1e-6 * (np.abs(rows) @ np.abs(dense).T) + 1e-30).reshape(*x.shape[:-1], dense.shape[0])
 
 
 @pytest.mark.parametrize(("kind", "k", "group"), [("u8-rows", 2048, 2048), ("u8-rows", 384, 384),
                                                   ("u4", 512, 128), ("u4", 768, 256), ("u8", 512, 256)])
 @pytest.mark.parametrize("shape", [(1,), (3,), (2, 1)], ids=["1", "3", "2x1"])
 @pytest.mark.parametrize("scale_type", [np.float16, np.float32])
-def test_q16_linear_is_within_its_rounding_bound(kind: str, k: int, group: int, shape: tuple[int, ...],
-                                                 scale_type: type) -> None:
-    """Against ((w - zp) * s) @ x in float64, every output within the bound of rounding x to
-    int16 per 128-input block (an outlier of 40 in one block makes that block's step large);
-    u4 and u8, per-row and grouped (one and two blocks per group), f16 and f32 scales, any
-    leading dims. And the bound is tight enough to mean something: the rounding really shows."""
+def test_q16_linear_is_the_decompressed_matmul(kind: str, k: int, group: int, shape: tuple[int, ...],
+                                               scale_type: type) -> None:
+    """Against ((w - zp) * s) @ x in float64, every output to f32 accuracy, also with an outlier
+    of 40 in one block (a single int16 term would lose 2e-5 of that block's scale there); u4
+    and u8, per-row and grouped (one and two blocks per group), f16 and f32 scales, any leading
+    dims."""
     rng = np.random.default_rng(k + group)
     n = 37
     x = rng.standard_normal((*shape, k)).astype(np.float32)
@@ -87,9 +83,8 @@ def test_q16_linear_is_within_its_rounding_bound(kind: str, k: int, group: int, 
     got = _run(inputs, x)
     want = x.astype(np.float64) @ dense.T
     assert got.shape == (*shape, n)
-    err, bound = np.abs(got - want), _bound(x, dense)
-    assert (err <= bound).all(), float((err / bound).max())
-    assert err.max() > 1e-3 * bound.max()  # not silently exact: the op does round
+    err = np.abs(got - want)
+    assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
 
 
 def test_q16_linear_zero_blocks_and_zero_rows() -> None:
@@ -120,12 +115,31 @@ def test_q16_linear_rejects_what_it_cannot_do() -> None:
                                               *inputs[1:]])
 
 
-def _logits(model_dir: Path, chunks: list[int], **rewrite: object) -> np.ndarray:
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5])
+def test_u4_experts_q16_rows(tokens: int) -> None:
+    """U4Experts with `q16_rows` 4: up to 4 rows, its one- and two-row experts take the int16
+    activations (to f32 accuracy against the float64 block, but not the f32 path's numbers);
+    at 5 rows the op is the f32 op exactly."""
+    from tests.test_native import _check_u4_experts
+
+    def run(q16_rows: int, tol: float) -> np.ndarray:
+        rng = np.random.default_rng(tokens)
+        idx = np.stack([rng.permutation(6)[:3] for _ in range(tokens)]).astype(np.int32)
+        return _check_u4_experts(rng, idx, 0, np.float16, experts=6, hidden=256, width=128, groups=(128, 128),
+                                 q16_rows=q16_rows, tol=tol)
+
+    f32, q16 = run(0, 1e-5), run(4, 1e-5)
+    assert np.array_equal(f32, q16) == (tokens > 4)
+
+
+def _logits(model_dir: Path, chunks: list[int], model: object = None, **rewrite: object) -> np.ndarray:
+    """Last-position logits after each chunk, of the plain graph, a rewrite of it, or `model`."""
     import openvino as ov
 
     core = ov.Core()
     native.register(core)
-    model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
+    if model is None:
+        model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
     if rewrite:
         q16_decode.apply(model, **rewrite)
     names = {p.get_any_name() for p in model.inputs}
@@ -158,32 +172,78 @@ def test_every_dense_compressed_matmul_but_the_routers_is_rewritten(tiny_dir: Pa
     assert [op.get_type_name() for op in small.get_ordered_ops()].count("Q16Linear") == 1
 
 
-def test_prefill_chunks_stay_on_the_plugin(tiny_dir: Path) -> None:
-    """Chunks longer than MAX_ROWS take the plugin's own matmuls. With the head left alone their
-    logits are the plain graph's up to f32 summation order (~4e-7 of the scale: the plugin
-    compiles a matmul behind a Slice a little differently); a decode row after them takes the op
-    and shows its rounding (~5e-5). Ten times apart either way."""
-    chunks = [q16_decode.MAX_ROWS + 1, 40, 1]
-    plain = _logits(tiny_dir, chunks)
-    split = _logits(tiny_dir, chunks, min_bytes=0, head=False)
-    scale = np.abs(plain).max()
-    assert np.abs(plain[:2] - split[:2]).max() <= 5e-6 * scale
-    assert np.abs(plain[2] - split[2]).max() >= 5e-6 * scale
+def test_rows_are_split_between_the_plugin_and_the_op() -> None:
+    """One rewritten matmul [T, 512] x u4 [64, 4, 128]: chunks of up to MAX_ROWS rows give the
+    op's own numbers bit for bit, longer ones the plugin's MatMul's."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    rng = np.random.default_rng(5)
+    (wc, w), (zc, z) = _u4(rng, (64, 4, 128)), _u4(rng, (64, 4, 1))
+    s = op.constant((rng.random((64, 4, 1)) * 0.05 + 0.01).astype(np.float16))
+    deq = op.multiply(op.subtract(op.convert(wc, np.float16), op.convert(zc, np.float16)), s)
+    weight = op.convert(op.reshape(deq, op.constant(np.array([64, 512])), False), np.float32)
+    core = ov.Core()
+    native.register(core)
+
+    p = op.parameter([-1, 512], np.float32, name="x")
+    # both paths side by side (the constants feed the plugin's pattern too, so they stay u4 as
+    # in the rewritten graph: fed only to an extension op the plugin would widen them to u8)
+    both = core.compile_model(ov.Model([native.factory().create("Q16Linear", [p, wc, zc, s]),
+                                        op.matmul(p, weight, False, True)], [p]), "CPU").create_infer_request()
+    x_in = op.parameter([-1, 512], np.float32, name="x")
+    model = ov.Model([op.matmul(x_in, weight, False, True)], [x_in])
+    q16_decode.apply(model, min_bytes=0)
+    assert [o.get_type_name() for o in model.get_ordered_ops()].count("Q16Linear") == 1
+    split = core.compile_model(model, "CPU").create_infer_request()
+    for rows in (1, q16_decode.MAX_ROWS, q16_decode.MAX_ROWS + 1, 40):
+        x = rng.standard_normal((rows, 512)).astype(np.float32)
+        got = np.array(split.infer({"x": x})[0])
+        ours, plugin = (np.array(t) for t in both.infer({"x": x}).values())
+        want, other = (ours, plugin) if rows <= q16_decode.MAX_ROWS else (plugin, ours)
+        assert np.array_equal(got, want) and not np.array_equal(got, other), rows
 
 
 @pytest.mark.parametrize("chunks", [[1], [3, 1, 1], [64, 1, 1, 1]], ids=["1", "3+decode", "64+decode"])
 def test_q16_decode_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
-    """Every dense matmul and the head on the op: the logits stay within 1e-3 of their scale
-    and the next-token distributions within a KL divergence of 1e-5 (the gate allows 5e-3)."""
+    """Every dense matmul and the head on the op: the logits stay within 5e-6 of their scale
+    (measured ~8e-7, the plugin's own f32 summation-order level) and the next-token
+    distributions within a KL divergence of 1e-10 (measured ~3e-14; the gate allows 5e-3)."""
     plain, rewritten = _logits(tiny_dir, chunks), _logits(tiny_dir, chunks, min_bytes=0)
-    assert np.abs(plain - rewritten).max() <= 1e-3 * np.abs(plain).max()
+    assert np.abs(plain - rewritten).max() <= 5e-6 * np.abs(plain).max()
 
     def logp(v: np.ndarray) -> np.ndarray:
         v = v - v.max(axis=-1, keepdims=True)
         return v - np.log(np.exp(v).sum(axis=-1, keepdims=True))
 
     kld = (np.exp(logp(plain)) * (logp(plain) - logp(rewritten))).sum(axis=-1)
-    assert kld.max() <= 1e-5, kld
+    assert kld.max() <= 1e-10, kld
+
+
+def test_native_experts_blocks_take_decode_rows(tiny_dir: Path) -> None:
+    """After native_experts, each MoE block's U4Experts op takes every row with `q16_rows`, the
+    plugin's fused block (the rank-4 expert matmuls) is gone, and the logits of a prefill and
+    decode steps stay at f32 summation-order distance from the plain graph."""
+    import openvino as ov
+
+    from kernels import native_experts
+
+    def expert_matmuls(model: object) -> int:  # the fused block's MatMuls on stacked [E, O, K] weights
+        return sum(o.get_type_name() == "MatMul" and o.get_input_partial_shape(1).rank.get_length() == 3
+                   for o in model.get_ordered_ops())
+
+    model = last_token_logits.apply(ov.Core().read_model(tiny_dir / "openvino_model.xml"))
+    native_experts.apply(model)
+    assert expert_matmuls(model) > 0
+    q16_decode.apply(model)
+    experts = [o for o in model.get_ordered_ops() if o.get_type_name() == "U4Experts"]
+    assert experts and all(o.get_attributes()["q16_rows"] == q16_decode.MAX_ROWS for o in experts)
+    assert all(o.input_value(3).get_node().get_type_name() == "Constant" for o in experts)
+    assert expert_matmuls(model) == 0
+
+    chunks = [20, 1, 1, 3]
+    plain, rewritten = _logits(tiny_dir, chunks), _logits(tiny_dir, chunks, model=model)
+    assert np.abs(plain - rewritten).max() <= 5e-6 * np.abs(plain).max()
 
 
 def test_q16_decode_keeps_greedy_generation(tiny_dir: Path) -> None:

@@ -1,6 +1,5 @@
-// Q16Linear(x, w, zp, scale) -> y: a compressed-weights matmul for a few rows (decode), with the
-// activations rounded to 16-bit integers and the weights kept as integers, so the inner loop is
-// integer multiply-adds instead of widening every weight to f32.
+// Q16Linear(x, w, zp, scale) -> y: a compressed-weights matmul for a few rows (decode) whose inner
+// loop is integer multiply-adds on the packed weights instead of widening every weight to f32.
 //
 //   x      f32 [..., K]               activations (rows = product of the leading dims)
 //   w      u8  [N, K]                 per-row asymmetric int8 weights (the LM head), or
@@ -9,16 +8,17 @@
 //   scale  f16/f32, same shape as zp
 //   y      f32 [..., N]               y[n] = sum_g scale[n, g] * sum_{k in g} (w[n, k] - zp[n, g]) * x[k]
 //
-// How: each row of x is cut into blocks of 128 inputs; each block is scaled to its own maximum
-// (sx = max |x| / 32767) and rounded to int16 (q). Then (w - zp) . x over a block is
-// sx * (sum w q - zp * sum q), exactly in int32 (a block sums at most 128 * 255 * 32767 < 2^31),
-// and the blocks are combined in f32 with the weights' scales. The only rounding that the
-// plugin's f32 path does not have is x's: at most 0.5 / 32767 of its block's largest magnitude
-// per input, ~1e-5 of the block's scale (the GPU plugin's own default dynamic quantization of
-// activations is 8-bit per 32-64 inputs, ~250x coarser). Per 16 (u8) or 32 (u4) weights the
-// loop is one widening load, one or three byte ops, one or two pmaddwd and adds: about half the
-// instructions of widening to f32, which is what bounds the plugin's kernels on an AVX2 CPU
-// without VNNI (docs/perf-log.md).
+// How: each row of x is cut into blocks of 128 inputs, and each block is written as two int16
+// terms against its own scale sx = max |x| / 32767: x = sx * (q + lo / 65536), |q|, |lo| <= 32767
+// (lo is the rounding residual of q, itself rounded: the representation error is at most 2^-17
+// of the block's largest magnitude, below f32's own rounding of a sum of products). Then over a
+// block, sum (w - zp) x = sx * (sum w q + (sum w lo) / 65536 - zp * sum (q + lo / 65536)): the
+// two sums are exact in int32 (at most 128 * 255 * 32767 < 2^31 each), the zero point enters once
+// per group, and the blocks are combined in f32 with the weights' scales. The results are as
+// close to float64 as the plugin's f32 kernels (tests/test_q16_decode.py), with only summation
+// order differing. Per 32 u4 weights the loop is one widening load, two byte ops, four pmaddwd and
+// four adds; the plugin widens each weight to f32 (convert, subtract, FMA), which is what bounds
+// its kernels at batch 1 on an AVX2 CPU without VNNI (docs/perf-log.md).
 //
 // Threads: rows of w in tasks (TBB); each task reads its weight rows once for every row of x.
 #pragma once
@@ -48,13 +48,14 @@ constexpr size_t kBlock = 128;  // inputs per activation block (one int16 scale 
 // then the 16 odd ones, to match the low/high nibbles of 16 packed bytes), a scale per block,
 // and per weight group sum_{blocks of g} sx * sum q (for the zero points).
 struct Row {
-    std::vector<int16_t> q;
+    std::vector<int16_t> q, lo;  // x / sx = q + lo / 65536
     std::vector<float> sx;
     std::vector<float> zq;
 };
 
 inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& r) {
     r.q.resize(K);
+    r.lo.resize(K);
     r.sx.resize(K / kBlock);
     r.zq.assign(K / group, 0.f);
     for (size_t b = 0; b < K / kBlock; ++b) {
@@ -65,40 +66,49 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
         const float sx = m / 32767.f;
         const float inv = m > 0.f ? 32767.f / m : 0.f;
         int16_t* qb = r.q.data() + b * kBlock;
-        int32_t total = 0;
+        int16_t* lb = r.lo.data() + b * kBlock;
+        double total = 0.0;
         for (size_t i = 0; i < kBlock; ++i) {
-            const int32_t v = std::clamp(static_cast<int32_t>(std::lrintf(xb[i] * inv)), -32767, 32767);
-            total += v;
+            const float f = xb[i] * inv;
+            const int32_t v = std::clamp(static_cast<int32_t>(std::lrintf(f)), -32767, 32767);
+            const int32_t l = std::clamp(static_cast<int32_t>(std::lrintf((f - static_cast<float>(v)) * 65536.f)), -32767, 32767);
+            total += v + l / 65536.0;
             // u4: within each 32 inputs, input 2j goes to j and input 2j + 1 to 16 + j
             const size_t at = nibbles ? (i & ~size_t(31)) + ((i & 1) ? 16 : 0) + ((i & 31) >> 1) : i;
             qb[at] = static_cast<int16_t>(v);
+            lb[at] = static_cast<int16_t>(l);
         }
         r.sx[b] = sx;
-        r.zq[b * kBlock / group] += sx * static_cast<float>(total);
+        r.zq[b * kBlock / group] += static_cast<float>(sx * total);
     }
 }
 
-// sum over one block of 128 inputs of w * q, in int32 lanes.
-inline __m256i block_u8(const uint8_t* w, const int16_t* q) {
+// Over one block of 128 inputs: sum w * q and sum w * lo, in int32 lanes (each at most
+// 128 * 255 * 32767 < 2^31).
+inline void block_u8(const uint8_t* w, const int16_t* q, const int16_t* lo, __m256i& hi_sum, __m256i& lo_sum) {
     __m256i a = _mm256_setzero_si256(), b = a;
-    for (size_t i = 0; i < kBlock; i += 32) {
-        const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
-        const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16)));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))));
-        b = _mm256_add_epi32(b, _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i + 16))));
+    for (size_t i = 0; i < kBlock; i += 16) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i))));
     }
-    return _mm256_add_epi32(a, b);
+    hi_sum = a;
+    lo_sum = b;
 }
 
-inline __m256i block_u4(const uint8_t* w, const int16_t* q) {  // w: 64 packed bytes
+inline void block_u4(const uint8_t* w, const int16_t* q, const int16_t* lo, __m256i& hi_sum, __m256i& lo_sum) {
     const __m256i low = _mm256_set1_epi16(0x000F);
     __m256i a = _mm256_setzero_si256(), b = a;
-    for (size_t i = 0; i < kBlock; i += 32) {
+    for (size_t i = 0; i < kBlock; i += 32) {  // 16 packed bytes: even inputs low, odd inputs high
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i / 2)));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_and_si256(v, low), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))));
-        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_srli_epi16(v, 4), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i + 16))));
+        const __m256i even = _mm256_and_si256(v, low), odd = _mm256_srli_epi16(v, 4);
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i + 16))));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i))));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i + 16))));
     }
-    return _mm256_add_epi32(a, b);
+    hi_sum = a;
+    lo_sum = b;
 }
 
 struct Weights {
@@ -109,7 +119,7 @@ struct Weights {
     size_t N, K, group;  // group = K for per-row weights
 
     float scale(size_t i) const {
-        return s16 ? static_cast<float>(static_cast<const ov::float16*>(s)[i]) : static_cast<const float*>(s)[i];
+        return s16 ? _cvtsh_ss(static_cast<const uint16_t*>(s)[i]) : static_cast<const float*>(s)[i];  // F16C
     }
     int zero(size_t i) const { return z4 ? ((i & 1) ? z[i >> 1] >> 4 : z[i >> 1] & 0x0F) : z[i]; }
 };
@@ -124,9 +134,13 @@ float dot(const Weights& W, size_t n, const Row& r) {
     for (size_t g = 0; g < groups; ++g) {
         const float s = W.scale(n * groups + g);
         for (size_t b = g * per; b < (g + 1) * per; ++b) {
-            const __m256i sum = W4 ? block_u4(row + b * kBlock / 2, r.q.data() + b * kBlock)
-                                   : block_u8(row + b * kBlock, r.q.data() + b * kBlock);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(s * r.sx[b]), acc);
+            __m256i hi, lo;
+            if (W4)
+                block_u4(row + b * kBlock / 2, r.q.data() + b * kBlock, r.lo.data() + b * kBlock, hi, lo);
+            else
+                block_u8(row + b * kBlock, r.q.data() + b * kBlock, r.lo.data() + b * kBlock, hi, lo);
+            const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(1.f / 65536.f), _mm256_cvtepi32_ps(hi));
+            acc = _mm256_fmadd_ps(part, _mm256_set1_ps(s * r.sx[b]), acc);
         }
         zero_terms += s * static_cast<float>(W.zero(n * groups + g)) * r.zq[g];
     }

@@ -44,6 +44,7 @@
 #include <tbb/parallel_for.h>
 
 #include "common.hpp"
+#include "q16_linear.hpp"
 
 namespace iq36 {
 
@@ -304,6 +305,9 @@ public:
 
     U4Experts() = default;
     explicit U4Experts(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
+    U4Experts(const ov::OutputVector& args, int64_t q16_rows) : Op(args), m_q16_rows(q16_rows) {
+        constructor_validate_and_infer_types();
+    }
 
     void validate_and_infer_types() override {
         NODE_VALIDATION_CHECK(this, get_input_size() == 13, "U4Experts takes x, idx, weights, skip and 3 x (w, z, s)");
@@ -339,10 +343,16 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<U4Experts>(args);
+        return std::make_shared<U4Experts>(args, m_q16_rows);
     }
 
-    bool visit_attributes(ov::AttributeVisitor&) override { return true; }
+    // q16_rows: when the op has at most this many rows (decode), experts with one or two rows
+    // take the int16-activation products of Q16Linear (q16_linear.hpp) instead of `direct`'s f32
+    // ones; 0 (the default): never.
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("q16_rows", m_q16_rows);
+        return true;
+    }
     bool has_evaluate() const override { return true; }
 
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
@@ -402,6 +412,19 @@ public:
                 present.push_back(e);
 
         const float* xp = x.data<const float>();
+        // decode rows with q16_rows: the one- and two-row experts' products on int16 activations
+        const bool use_q16 = m_q16_rows > 0 && T - skip <= static_cast<size_t>(m_q16_rows) && gate.w4 == up.w4 &&
+                             gate.group % q16::kBlock == 0 && down.group % q16::kBlock == 0;
+        const auto view = [](const Packed& m, size_t E_) {
+            return q16::Weights{m.w, m.z, m.s, m.w4, m.z4, m.s16, E_ * m.out, m.in(), m.group};
+        };
+        const q16::Weights qgate = view(gate, E), qup = view(up, E), qdown = view(down, E);
+        std::vector<q16::Row> xq(use_q16 ? T - skip : 0), aq(use_q16 ? ids.size() : 0);
+        for (size_t t = 0; t < xq.size(); ++t)
+            q16::quantize(xp + (skip + t) * H, H, gate.group, gate.w4, xq[t]);
+        const auto qdot = [](const q16::Weights& W, size_t row, const q16::Row& r) {
+            return W.w4 ? q16::dot<true>(W, row, r) : q16::dot<false>(W, row, r);
+        };
         // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them),
         // or [m, I] rows for an expert with at most kDirect rows (taken by `direct`).
         std::vector<size_t> aoff(E + 1, 0), ld(E, 0);
@@ -431,8 +454,16 @@ public:
                     g.resize(kGateRows);
                     u.resize(kGateRows);
                     for (size_t i = 0; i < m; ++i) {
-                        direct(gate, e, r0, nr, rows[i], g.data());
-                        direct(up, e, r0, nr, rows[i], u.data());
+                        if (use_q16) {
+                            const q16::Row& r = xq[token[b + i] - skip];
+                            for (size_t c = 0; c < nr; ++c) {
+                                g[c] = qdot(qgate, e * I + r0 + c, r);
+                                u[c] = qdot(qup, e * I + r0 + c, r);
+                            }
+                        } else {
+                            direct(gate, e, r0, nr, rows[i], g.data());
+                            direct(up, e, r0, nr, rows[i], u.data());
+                        }
                         for (size_t c = 0; c < nr; ++c)
                             a[i * I + r0 + c] = silu(g[c]) * u[c];
                     }
@@ -451,6 +482,12 @@ public:
             }
         });
 
+        if (use_q16)  // the direct experts' act rows, rounded for down
+            for (size_t e : present)
+                if (start[e + 1] - start[e] <= kDirect)
+                    for (size_t i = 0; i < start[e + 1] - start[e]; ++i)
+                        q16::quantize(act.data() + aoff[e] + i * I, I, down.group, down.w4, aq[start[e] + i]);
+
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
             thread_local std::vector<float> tile, out;
@@ -463,7 +500,11 @@ public:
                     const float* a = act.data() + aoff[e];
                     if (m <= kDirect) {
                         for (size_t i = 0; i < m; ++i) {
-                            direct(down, e, c0, nc, a + i * I, out.data());
+                            if (use_q16)
+                                for (size_t c = 0; c < nc; ++c)
+                                    out[c] = qdot(qdown, e * H + c0 + c, aq[b + i]);
+                            else
+                                direct(down, e, c0, nc, a + i * I, out.data());
                             float* dst = y + token[b + i] * H + c0;
                             const float w = route[b + i];
                             for (size_t c = 0; c < nc; ++c)
@@ -484,6 +525,9 @@ public:
         });
         return true;
     }
+
+private:
+    int64_t m_q16_rows = 0;
 };
 
 }  // namespace iq36
