@@ -85,7 +85,7 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
 
 // Over one block of 128 inputs: sum w * q and sum w * lo, in int32 lanes (each at most
 // 128 * 255 * 32767 < 2^31).
-inline void block_u8(const uint8_t* w, const int16_t* q, const int16_t* lo, __m256i& hi_sum, __m256i& lo_sum) {
+__attribute__((always_inline)) inline void block_u8(const uint8_t* w, const int16_t* q, const int16_t* lo, __m256i& hi_sum, __m256i& lo_sum) {
     __m256i a = _mm256_setzero_si256(), b = a;
     for (size_t i = 0; i < kBlock; i += 16) {
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
@@ -96,7 +96,7 @@ inline void block_u8(const uint8_t* w, const int16_t* q, const int16_t* lo, __m2
     lo_sum = b;
 }
 
-inline void block_u4(const uint8_t* w, const int16_t* q, const int16_t* lo, __m256i& hi_sum, __m256i& lo_sum) {
+__attribute__((always_inline)) inline void block_u4(const uint8_t* w, const int16_t* q, const int16_t* lo, __m256i& hi_sum, __m256i& lo_sum) {
     const __m256i low = _mm256_set1_epi16(0x000F);
     __m256i a = _mm256_setzero_si256(), b = a;
     for (size_t i = 0; i < kBlock; i += 32) {  // 16 packed bytes: even inputs low, odd inputs high
@@ -129,20 +129,25 @@ template <bool W4>
 float dot(const Weights& W, size_t n, const Row& r) {
     const size_t groups = W.K / W.group, per = W.group / kBlock;
     const uint8_t* row = W.w + (W4 ? n * W.K / 2 : n * W.K);
+    const int16_t* q = r.q.data();
+    const int16_t* lo = r.lo.data();
+    const float* sx = r.sx.data();
+    const float* zq = r.zq.data();
+    const __m256 unit = _mm256_set1_ps(1.f / 65536.f);
     __m256 acc = _mm256_setzero_ps();
     float zero_terms = 0.f;
     for (size_t g = 0; g < groups; ++g) {
         const float s = W.scale(n * groups + g);
         for (size_t b = g * per; b < (g + 1) * per; ++b) {
-            __m256i hi, lo;
+            __m256i hi_sum, lo_sum;
             if (W4)
-                block_u4(row + b * kBlock / 2, r.q.data() + b * kBlock, r.lo.data() + b * kBlock, hi, lo);
+                block_u4(row + b * kBlock / 2, q + b * kBlock, lo + b * kBlock, hi_sum, lo_sum);
             else
-                block_u8(row + b * kBlock, r.q.data() + b * kBlock, r.lo.data() + b * kBlock, hi, lo);
-            const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(1.f / 65536.f), _mm256_cvtepi32_ps(hi));
-            acc = _mm256_fmadd_ps(part, _mm256_set1_ps(s * r.sx[b]), acc);
+                block_u8(row + b * kBlock, q + b * kBlock, lo + b * kBlock, hi_sum, lo_sum);
+            const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum), unit, _mm256_cvtepi32_ps(hi_sum));
+            acc = _mm256_fmadd_ps(part, _mm256_set1_ps(s * sx[b]), acc);
         }
-        zero_terms += s * static_cast<float>(W.zero(n * groups + g)) * r.zq[g];
+        zero_terms += s * static_cast<float>(W.zero(n * groups + g)) * zq[g];
     }
     return hsum(acc) - zero_terms;
 }
