@@ -123,6 +123,6 @@ def test_bench_reports_rates_and_op_tables(tiny_dir: Path) -> None:
     assert ops.returncode == 0, ops.stderr[-2000:]
     tables = [json.loads(line) for line in ops.stdout.strip().splitlines()]
     assert [t["phase"] for t in tables] == ["prefill", "decode-step"]
-    for t in tables:
-        assert t["total_ms"] > 0 and "GatherMatmulCompressed" in t["share"]
+    for t in tables:  # the routed experts: the plugin's fused op, or iq36's extension ops (`Reference`)
+        assert t["total_ms"] > 0 and {"GatherMatmulCompressed", "Reference"} & set(t["share"])
     assert tables[1]["total_ms"] < tables[0]["total_ms"]  # one token costs less than 64
