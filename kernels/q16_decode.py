@@ -1,6 +1,6 @@
 """Kernel `q16_decode`: decode rows of the compressed dense matmuls through the native `Q16Linear`.
 
-Why (docs/perf-log.md, "Decode: int16 activations"): a decode step is the LM head (u8) and the
+Why (docs/perf-log.md, "Session 6: decode on integer products"): a decode step is the LM head (u8) and the
 dense u4 matmuls at batch 1, and on an AVX2 CPU without VNNI the plugin's compressed-weights
 kernels are bound by widening every weight to f32 (u4: 4-6 GB/s against ~26 GB/s of read
 bandwidth). `Q16Linear` (kernels/native/q16_linear.hpp) writes the activation row as two int16
@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from kernels.lm_head_u8 import _skip_converts
+
 NAME = "q16_decode"
 MAX_ROWS = 4  # chunks of up to this many rows run the op (decode); larger ones the plugin's kernel
 MIN_BYTES = 128 * 1024  # weights below this stay on the plugin (the router, gates, tiny projections)
@@ -44,12 +46,6 @@ BLOCK = 128  # the op's activation block: weight groups must be multiples of it
 
 class RewriteError(RuntimeError):
     pass
-
-
-def _skip_converts(output: Any) -> Any:
-    while output.get_node().get_type_name() == "Convert":
-        output = output.get_node().input_value(0)
-    return output
 
 
 def _constant(output: Any) -> Any | None:
@@ -133,7 +129,7 @@ def _split(matmul: Any, op_node: Any) -> Any:
 
 def _experts_to_op(node: Any, factory: Any) -> None:
     """A `native_experts` block: every row to its U4Experts op (with `q16_rows`, so decode rows
-    take int16 activations), the plugin's fused block dropped. The fused block cannot run the
+    take the integer products), the plugin's fused block dropped. The fused block cannot run the
     decode row's split to zero rows (a reshape inside the plugin's fused pattern rejects an
     empty chunk), and on one row it would read the same experts' weights again. Prefill chunks
     are unchanged but for their first row, which the op's f32 tiles now compute too."""
@@ -156,17 +152,15 @@ def _experts_to_op(node: Any, factory: Any) -> None:
 def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True) -> Any:
     """Rewrite `model` (before compile) in place; returns it. `min_bytes`: smaller weights stay
     on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it)."""
-    from kernels import native
-    from kernels.last_token_logits import RewriteError as HeadError
-    from kernels.last_token_logits import _logits_matmul
+    from kernels import last_token_logits, native
 
     native.require_cpu(NAME, RewriteError)
     try:
-        head_node = _logits_matmul(model)
-    except HeadError:
+        head_node = last_token_logits._logits_matmul(model)
+    except last_token_logits.RewriteError:
         head_node = None
     head_sliced = head_node is not None and head_node.input_value(0).get_node().get_friendly_name().endswith(
-        "/last_token_logits")
+        f"/{last_token_logits.NAME}")
     factory = native.factory()
     done = 0
     for matmul in model.get_ordered_ops():

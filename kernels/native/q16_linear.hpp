@@ -44,9 +44,9 @@ namespace q16 {
 
 constexpr size_t kBlock = 128;  // inputs per activation block (one int16 scale each)
 
-// One row of x, rounded: q in the weights' byte order (u4: per 32 inputs, the 16 even inputs
-// then the 16 odd ones, to match the low/high nibbles of 16 packed bytes), a scale per block,
-// and per weight group sum_{blocks of g} sx * sum q (for the zero points).
+// One row of x as two int16 terms (q, lo) in the weights' byte order (u4: per 32 inputs, the 16
+// even inputs then the 16 odd ones, to match the low/high nibbles of 16 packed bytes), a scale
+// per block, and per weight group sum_{blocks of g} sx * sum (q + lo / 65536) (for the zero points).
 struct Row {
     std::vector<int16_t> q, lo;  // x / sx = q + lo / 65536
     std::vector<float> sx;
@@ -152,6 +152,10 @@ float dot(const Weights& W, size_t n, const Row& r) {
     return hsum(acc) - zero_terms;
 }
 
+inline float dot(const Weights& W, size_t n, const Row& r) {
+    return W.w4 ? dot<true>(W, n, r) : dot<false>(W, n, r);
+}
+
 }  // namespace q16
 
 class Q16Linear final : public ov::op::Op {
@@ -227,7 +231,7 @@ public:
         tbb::parallel_for(tbb::blocked_range<size_t>(0, N, grain), [&](const tbb::blocked_range<size_t>& r) {
             for (size_t n = r.begin(); n != r.end(); ++n)
                 for (size_t m = 0; m < M; ++m)
-                    y[m * N + n] = W.w4 ? q16::dot<true>(W, n, rows[m]) : q16::dot<false>(W, n, rows[m]);
+                    y[m * N + n] = q16::dot(W, n, rows[m]);
         });
         return true;
     }

@@ -350,7 +350,7 @@ public:
     }
 
     // q16_rows: when the op has at most this many rows (decode), experts with one or two rows
-    // take the int16-activation products of Q16Linear (q16_linear.hpp) instead of `direct`'s f32
+    // take the integer products of Q16Linear (q16_linear.hpp) instead of `direct`'s f32
     // ones; 0 (the default): never.
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("q16_rows", m_q16_rows);
@@ -415,7 +415,7 @@ public:
                 present.push_back(e);
 
         const float* xp = x.data<const float>();
-        // decode rows with q16_rows: the one- and two-row experts' products on int16 activations
+        // decode rows with q16_rows: the one- and two-row experts' products on two-term int16 activations
         const bool use_q16 = m_q16_rows > 0 && T - skip <= static_cast<size_t>(m_q16_rows) && gate.w4 == up.w4 &&
                              gate.group % q16::kBlock == 0 && down.group % q16::kBlock == 0;
         const auto view = [](const Packed& m, size_t E_) {
@@ -425,9 +425,6 @@ public:
         std::vector<q16::Row> xq(use_q16 ? T - skip : 0), aq(use_q16 ? ids.size() : 0);
         for (size_t t = 0; t < xq.size(); ++t)
             q16::quantize(xp + (skip + t) * H, H, gate.group, gate.w4, xq[t]);
-        const auto qdot = [](const q16::Weights& W, size_t row, const q16::Row& r) {
-            return W.w4 ? q16::dot<true>(W, row, r) : q16::dot<false>(W, row, r);
-        };
         // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them),
         // or [m, I] rows for an expert with at most kDirect rows (taken by `direct`).
         std::vector<size_t> aoff(E + 1, 0), ld(E, 0);
@@ -460,8 +457,8 @@ public:
                         if (use_q16) {
                             const q16::Row& r = xq[token[b + i] - skip];
                             for (size_t c = 0; c < nr; ++c) {
-                                g[c] = qdot(qgate, e * I + r0 + c, r);
-                                u[c] = qdot(qup, e * I + r0 + c, r);
+                                g[c] = q16::dot(qgate, e * I + r0 + c, r);
+                                u[c] = q16::dot(qup, e * I + r0 + c, r);
                             }
                         } else {
                             direct(gate, e, r0, nr, rows[i], g.data());
@@ -505,7 +502,7 @@ public:
                         for (size_t i = 0; i < m; ++i) {
                             if (use_q16)
                                 for (size_t c = 0; c < nc; ++c)
-                                    out[c] = qdot(qdown, e * H + c0 + c, aq[b + i]);
+                                    out[c] = q16::dot(qdown, e * H + c0 + c, aq[b + i]);
                             else
                                 direct(down, e, c0, nc, a + i * I, out.data());
                             float* dst = y + token[b + i] * H + c0;

@@ -110,8 +110,8 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "native_experts": (_native_experts, False),
     # each linear-attention layer's gated delta rule as the native GatedDeltaRule op (CPU)
     "native_gdn": (_native_gdn, False),
-    # decode rows of the compressed dense matmuls (and the LM head) on int16-rounded activations
-    # through the native Q16Linear op (CPU); last, after the rewrites that walk the MoE blocks
+    # decode rows of the compressed matmuls (dense, LM head, routed experts) on integer products,
+    # the activations as two int16 terms (native Q16Linear, CPU); last, after the MoE rewrites
     "q16_decode": (_q16_decode, False),
 }
 # Kernels that rewrite the same blocks: at most one of each group may be on.
