@@ -127,6 +127,35 @@ def _split(matmul: Any, op_node: Any) -> Any:
     return op.concat([plugin.output(0), native.output(0)], axis)
 
 
+class _SharedBytes:
+    """`data` (a read-only view of a constant's buffer, which keeps the buffer alive) as a numpy
+    array interface with another shape: `Constant(shared_memory=True)` wants a writeable array, and
+    a copy would double the experts' weights in memory while the model is built."""
+
+    def __init__(self, data: np.ndarray, shape: tuple[int, ...]) -> None:
+        if data.dtype != np.uint8 or not data.flags.c_contiguous or data.size != int(np.prod(shape)):
+            raise RewriteError(f"a u4 constant's buffer of {data.size} bytes is not {shape}")
+        self.data = data  # the constant's buffer lives as long as this object
+        self.__array_interface__ = {"data": (data.ctypes.data, False), "shape": shape, "typestr": "|u1", "version": 3}
+
+
+def _as_bytes(weights: Any) -> Any:
+    """A u4 [E, O, G, g] constant as the u8 [E, O, G, g / 2] constant of its packed bytes, on the
+    same memory. Once the plugin's fused block is gone nothing of the plugin's own reads these
+    weights, and it would widen a u4 constant to u8: twice the bytes for every decode step to
+    read (and to hold). Typed u8 they reach U4Experts (`nibbles`) as exported."""
+    from openvino import Type
+    from openvino import op as ops
+
+    node = weights.get_node()
+    if node.get_type_name() != "Constant" or node.get_element_type() != Type.u4:
+        raise RewriteError(f"U4Experts weights {node.get_friendly_name()} are not a u4 constant")
+    e, o, g, width = (int(d) for d in node.get_shape())
+    const = ops.Constant(np.asarray(_SharedBytes(node.data, (e, o, g, width // 2))), shared_memory=True)
+    const.set_friendly_name(f"{node.get_friendly_name()}/bytes")
+    return const.output(0)
+
+
 def _experts_to_op(node: Any, factory: Any) -> None:
     """A `native_experts` block: every row to its U4Experts op (with `q16_rows`, so decode rows
     take the integer products), the plugin's fused block dropped. The fused block cannot run the
@@ -143,7 +172,9 @@ def _experts_to_op(node: Any, factory: Any) -> None:
         raise RewriteError("a U4Experts op without native_experts' concat of the two paths")
     args = [node.input_value(i) for i in range(node.get_input_size())]
     args[3] = op.constant(np.array([0], np.int64)).output(0)
-    new = factory.create("U4Experts", args, {"q16_rows": MAX_ROWS})
+    for i in (4, 7, 10):  # gate, up and down weights
+        args[i] = _as_bytes(args[i])
+    new = factory.create("U4Experts", args, {"q16_rows": MAX_ROWS, "nibbles": True})
     new.set_friendly_name(f"{node.get_friendly_name()}/{NAME}")
     for target in list(concats[0].output(0).get_target_inputs()):
         target.replace_source_output(new.output(0))

@@ -110,9 +110,10 @@ def test_u4_experts_walks_every_tile_and_tail(skip: int) -> None:
 
 def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scale_type: type, experts: int,
                       hidden: int, width: int, groups: tuple[int, int], q16_rows: int = 0,
-                      tol: float = 1e-5) -> np.ndarray:
-    """Runs the op (with the `q16_rows` attribute) against float64 within `tol` of the scale;
-    returns its output."""
+                      tol: float = 1e-5, nibbles: bool = False) -> np.ndarray:
+    """Runs the op (with the `q16_rows` attribute; with `nibbles`, on the weights' packed bytes
+    typed u8, as q16_decode hands them over) against float64 within `tol` of the scale; returns
+    its output."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -128,7 +129,13 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
     pidx = op.parameter([-1, k], idx_type, name="idx")
     pw = op.parameter([-1, k], np.float32, name="weights")
     skip_c = op.constant(np.array([skip], np.int64))
-    node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down], {"q16_rows": q16_rows})
+    if nibbles:
+        from kernels.q16_decode import _as_bytes
+
+        for m in (gate, up, down):
+            m[0] = _as_bytes(m[0].output(0)).get_node()
+    attributes = {"q16_rows": q16_rows, "nibbles": nibbles}
+    node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down], attributes)
     core = ov.Core()
     request = core.compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()
     got = np.array(request.infer({"x": x, "idx": idx, "weights": weights})[0])

@@ -8,7 +8,8 @@
 //   skip     i32/i64 [1]         rows [0, skip) are left at zero (computed elsewhere)
 //   *_w      u4 [E, O, G, g]     packed two per byte, the first in the low nibble (or u8, one
 //                                value per byte: the CPU plugin converts u4 constants that feed
-//                                no decompression pattern of its own to u8)
+//                                no decompression pattern of its own to u8; or, with the
+//                                `nibbles` attribute, u8 [E, O, G, g / 2]: the packed bytes)
 //   *_z      u4 [E, O, G, 1]     zero point per group of g inputs (or u8)
 //   *_s      f16/f32 [E, O, G, 1] scale per group
 //   y        f32 [T, H]          y[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = idx[t, j]
@@ -308,7 +309,7 @@ public:
 
     U4Experts() = default;
     explicit U4Experts(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
-    U4Experts(const ov::OutputVector& args, int64_t q16_rows) : Op(args), m_q16_rows(q16_rows) {
+    U4Experts(const ov::OutputVector& args, int64_t q16_rows, bool nibbles) : Op(args), m_q16_rows(q16_rows), m_nibbles(nibbles) {
         constructor_validate_and_infer_types();
     }
 
@@ -325,35 +326,44 @@ public:
                 const auto t = get_input_element_type(4 + 3 * m + j);
                 NODE_VALIDATION_CHECK(this, t == ov::element::u4 || t == ov::element::u8, "weights and zero points must be u4 (or u8)");
             }
+            NODE_VALIDATION_CHECK(this, !m_nibbles || get_input_element_type(4 + 3 * m) == ov::element::u8,
+                                  "with nibbles, the weights are u8 bytes holding two u4 values each");
             const auto sc = get_input_element_type(6 + 3 * m);
             NODE_VALIDATION_CHECK(this, sc == ov::element::f16 || sc == ov::element::f32, "scales must be f16 or f32");
             for (size_t j = 0; j < 3; ++j)
                 NODE_VALIDATION_CHECK(this, get_input_partial_shape(4 + 3 * m + j).is_static(), "expert tensors must be static");
             const auto ws = get_input_shape(4 + 3 * m);
-            NODE_VALIDATION_CHECK(this, ws.size() == 4 && ws[3] % 2 == 0, "expert weights must be [E, O, G, g], g even");
+            NODE_VALIDATION_CHECK(this, ws.size() == 4 && (m_nibbles || ws[3] % 2 == 0),
+                                  "expert weights must be [E, O, G, g], g even (or [E, O, G, g / 2] bytes with nibbles)");
             const ov::Shape group_shape{ws[0], ws[1], ws[2], 1};
             NODE_VALIDATION_CHECK(this, get_input_shape(5 + 3 * m) == group_shape && get_input_shape(6 + 3 * m) == group_shape,
                                   "zero points and scales must be [E, O, G, 1]");
         }
         const auto g = get_input_shape(4), u = get_input_shape(7), d = get_input_shape(10);
+        const size_t per_byte = m_nibbles ? 2 : 1;  // inputs per weight element
         NODE_VALIDATION_CHECK(this, g == u, "gate and up must have one shape");
-        NODE_VALIDATION_CHECK(this, d[0] == g[0] && d[2] * d[3] == g[1], "down's inputs must be gate's outputs");
+        NODE_VALIDATION_CHECK(this, d[0] == g[0] && d[2] * d[3] * per_byte == g[1], "down's inputs must be gate's outputs");
         const auto& x = get_input_partial_shape(0);
         NODE_VALIDATION_CHECK(this, x.rank().is_static() && x.rank().get_length() == 2, "x must be [T, H]");
-        NODE_VALIDATION_CHECK(this, x[1].compatible(static_cast<int64_t>(g[2] * g[3])) && x[1].compatible(static_cast<int64_t>(d[1])),
+        NODE_VALIDATION_CHECK(this, x[1].compatible(static_cast<int64_t>(g[2] * g[3] * per_byte)) && x[1].compatible(static_cast<int64_t>(d[1])),
                               "x's width must be the experts' input and output width");
         set_output_type(0, ov::element::f32, x);
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<U4Experts>(args, m_q16_rows);
+        return std::make_shared<U4Experts>(args, m_q16_rows, m_nibbles);
     }
 
     // q16_rows: when the op has at most this many rows (decode), experts with one or two rows
     // take the integer products of Q16Linear (q16_linear.hpp) instead of `direct`'s f32
     // ones; 0 (the default): never.
+    // nibbles: the weights are u8 tensors [E, O, G, g / 2] holding the packed u4 values (two per
+    // byte, the first in the low nibble). The CPU plugin widens a u4 constant that feeds none of
+    // its own decompression patterns to u8 (twice the bytes to read in decode); the same bytes
+    // typed u8 reach the op as they are.
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("q16_rows", m_q16_rows);
+        visitor.on_attribute("nibbles", m_nibbles);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -376,8 +386,9 @@ public:
         for (size_t m = 0; m < 3; ++m) {
             const auto ws = inputs[4 + 3 * m].get_shape();
             mats[m] = {static_cast<const uint8_t*>(inputs[4 + 3 * m].data()), static_cast<const uint8_t*>(inputs[5 + 3 * m].data()),
-                       inputs[4 + 3 * m].get_element_type() == ov::element::u4, inputs[5 + 3 * m].get_element_type() == ov::element::u4,
-                       inputs[6 + 3 * m].data(), inputs[6 + 3 * m].get_element_type() == ov::element::f16, ws[1], ws[2], ws[3]};
+                       m_nibbles || inputs[4 + 3 * m].get_element_type() == ov::element::u4,
+                       inputs[5 + 3 * m].get_element_type() == ov::element::u4, inputs[6 + 3 * m].data(),
+                       inputs[6 + 3 * m].get_element_type() == ov::element::f16, ws[1], ws[2], ws[3] * (m_nibbles ? 2 : 1)};
         }
         const Packed& gate = mats[0];
         const Packed& up = mats[1];
@@ -528,6 +539,7 @@ public:
 
 private:
     int64_t m_q16_rows = 0;
+    bool m_nibbles = false;
 };
 
 }  // namespace iq36
