@@ -140,18 +140,20 @@ class _SharedBytes:
 
 
 def _as_bytes(weights: Any) -> Any:
-    """A u4 [E, O, G, g] constant as the u8 [E, O, G, g / 2] constant of its packed bytes, on the
-    same memory. Once the plugin's fused block is gone nothing of the plugin's own reads these
-    weights, and it would widen a u4 constant to u8: twice the bytes for every decode step to
-    read (and to hold). Typed u8 they reach U4Experts (`nibbles`) as exported."""
+    """A u4 constant [..., g] as the u8 constant [..., g / 2] of its packed bytes, on the same
+    memory. The CPU plugin widens a u4 constant that none of its own kernels reads to u8 (twice
+    the bytes for every decode step to read, and to hold: the routed experts once their fused
+    block is gone); typed u8, the bytes reach the op (`nibbles`) as exported."""
     from openvino import Type
     from openvino import op as ops
 
     node = weights.get_node()
     if node.get_type_name() != "Constant" or node.get_element_type() != Type.u4:
-        raise RewriteError(f"U4Experts weights {node.get_friendly_name()} are not a u4 constant")
-    e, o, g, width = (int(d) for d in node.get_shape())
-    const = ops.Constant(np.asarray(_SharedBytes(node.data, (e, o, g, width // 2))), shared_memory=True)
+        raise RewriteError(f"weights {node.get_friendly_name()} are not a u4 constant")
+    *lead, width = (int(d) for d in node.get_shape())
+    if width % 2:
+        raise RewriteError(f"u4 weights {node.get_friendly_name()}: an odd last dim ({width}) has no whole bytes")
+    const = ops.Constant(np.asarray(_SharedBytes(node.data, (*lead, width // 2))), shared_memory=True)
     const.set_friendly_name(f"{node.get_friendly_name()}/bytes")
     return const.output(0)
 
@@ -206,9 +208,12 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True) -> Any:
         if parts is None or (is_head and not head):
             continue
         consts = [c.output(0) for c in parts]
+        nibbles = consts[0].get_element_type().get_type_name() == "u4"
+        if nibbles:  # the plugin's MatMul keeps the u4 constant; the op reads its bytes
+            consts[0] = _as_bytes(consts[0])
 
-        def q16(inputs: list[Any], consts: list[Any] = consts) -> Any:
-            return factory.create("Q16Linear", [*inputs, *consts])
+        def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles) -> Any:
+            return factory.create("Q16Linear", [*inputs, *consts], {"nibbles": nibbles})
 
         if is_head:
             out = q16([matmul.input_value(0)]).output(0)

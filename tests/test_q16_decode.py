@@ -27,13 +27,19 @@ def _u4(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[object, np.nd
 
 
 def _run(node_inputs: list, x: np.ndarray) -> np.ndarray:
+    """The op on `x`; u4 weights go in as their packed bytes (`nibbles`), as q16_decode passes
+    them: a u4 constant that only the op reads would reach it widened to u8 by the plugin."""
     import openvino as ov
     from openvino import opset15 as op
 
     core = ov.Core()
     native.register(core)
     p = op.parameter(list(x.shape), np.float32, name="x")
-    y = native.factory().create("Q16Linear", [p, *node_inputs])
+    w, *rest = node_inputs
+    nibbles = w.get_element_type() == ov.Type.u4
+    if nibbles:
+        w = q16_decode._as_bytes(w.output(0)).get_node()
+    y = native.factory().create("Q16Linear", [p, w, *rest], {"nibbles": nibbles})
     request = core.compile_model(ov.Model([y], [p]), "CPU").create_infer_request()
     return np.array(request.infer({"x": x})[0])
 
@@ -113,6 +119,8 @@ def test_q16_linear_rejects_what_it_cannot_do() -> None:
     with pytest.raises(RuntimeError, match="u8 or u4"):
         native.factory().create("Q16Linear", [op.parameter([1, 256], np.float32),
                                               op.constant(np.zeros((8, 256), np.int8)), *inputs[1:]])
+    with pytest.raises(RuntimeError, match="with nibbles"):  # nibbles means u8 bytes, not u4 values
+        native.factory().create("Q16Linear", [op.parameter([1, 256], np.float32), *inputs], {"nibbles": True})
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 4, 5])

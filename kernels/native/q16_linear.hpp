@@ -3,7 +3,8 @@
 //
 //   x      f32 [..., K]               activations (rows = product of the leading dims)
 //   w      u8  [N, K]                 per-row asymmetric int8 weights (the LM head), or
-//          u4/u8 [N, G, g]            grouped weights, G * g = K (u4: two per byte, low nibble first)
+//          u4/u8 [N, G, g]            grouped weights, G * g = K (u4: two per byte, low nibble first;
+//                                     with the `nibbles` attribute the u4 bytes typed u8 [N, G, g / 2])
 //   zp     u8 [N, 1] / u4,u8 [N, G, 1]  zero points, one per row or per group
 //   scale  f16/f32, same shape as zp
 //   y      f32 [..., N]               y[n] = sum_g scale[n, g] * sum_{k in g} (w[n, k] - zp[n, g]) * x[k]
@@ -163,7 +164,7 @@ public:
     OPENVINO_OP("Q16Linear", "iq36");
 
     Q16Linear() = default;
-    explicit Q16Linear(const ov::OutputVector& args) : Op(args) {
+    explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false) : Op(args), m_nibbles(nibbles) {
         constructor_validate_and_infer_types();
     }
 
@@ -177,8 +178,10 @@ public:
         const auto& w = get_input_partial_shape(1);
         NODE_VALIDATION_CHECK(this, w.is_static() && (w.size() == 2 || w.size() == 3), "w must be [N, K] or [N, G, g]");
         const ov::Shape ws = w.to_shape();
-        const size_t K = ws.size() == 2 ? ws[1] : ws[1] * ws[2];
-        const size_t group = ws.size() == 2 ? ws[1] : ws[2];
+        NODE_VALIDATION_CHECK(this, !m_nibbles || (wt == ov::element::u8 && ws.size() == 3),
+                              "with nibbles, the weights are u8 bytes [N, G, g / 2] holding two u4 values each");
+        const size_t group = ws.size() == 2 ? ws[1] : ws[2] * (m_nibbles ? 2 : 1);
+        const size_t K = ws.size() == 2 ? ws[1] : ws[1] * group;
         NODE_VALIDATION_CHECK(this, group % q16::kBlock == 0, "the weights' group must be a multiple of 128 inputs");
         NODE_VALIDATION_CHECK(this, wt == ov::element::u8 || ws.size() == 3, "u4 weights must be grouped [N, G, g]");
         const auto& z = get_input_partial_shape(2);
@@ -195,10 +198,15 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<Q16Linear>(args);
+        return std::make_shared<Q16Linear>(args, m_nibbles);
     }
 
-    bool visit_attributes(ov::AttributeVisitor&) override { return true; }
+    // nibbles: w is u8 [N, G, g / 2], the packed bytes of u4 weights (the CPU plugin widens a u4
+    // constant that none of its own kernels reads to u8; typed u8 the bytes arrive as they are).
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("nibbles", m_nibbles);
+        return true;
+    }
     bool has_evaluate() const override { return true; }
 
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
@@ -208,12 +216,12 @@ public:
         q16::Weights W{static_cast<const uint8_t*>(w.data()),
                        static_cast<const uint8_t*>(inputs[2].data()),
                        inputs[3].data(),
-                       w.get_element_type() == ov::element::u4,
+                       m_nibbles || w.get_element_type() == ov::element::u4,
                        inputs[2].get_element_type() == ov::element::u4,
                        inputs[3].get_element_type() == ov::element::f16,
                        ws[0],
-                       ws.size() == 2 ? ws[1] : ws[1] * ws[2],
-                       ws.size() == 2 ? ws[1] : ws[2]};
+                       ws.size() == 2 ? ws[1] : ws[1] * ws[2] * (m_nibbles ? 2 : 1),
+                       ws.size() == 2 ? ws[1] : ws[2] * (m_nibbles ? 2 : 1)};
         const size_t K = W.K, N = W.N;
         if (xs.back() != K)
             return false;
@@ -235,6 +243,9 @@ public:
         });
         return true;
     }
+
+private:
+    bool m_nibbles = false;
 };
 
 }  // namespace iq36
