@@ -22,8 +22,10 @@ thread):
     y = concat(MatMul(x[:n]), Q16Linear(x[n:]))   along the rows axis
 
 so prefill keeps the plugin's f32 kernels and decode (T = 1) runs the op. Same constants: no
-copy of the weights. A `native_experts` block's U4Experts op takes every row (`q16_rows`), its
-fused block dropped (`_experts_to_op`). Numerics: as close to float64 as the plugin's kernels
+copy of the weights; u4 weights reach the ops as their packed bytes typed u8 (`_as_bytes`, the
+ops' `nibbles`), since the plugin widens a u4 constant that only an extension op reads to u8. A
+`native_experts` block's U4Experts op takes every row (`q16_rows`), its fused block dropped
+(`_experts_to_op`). Numerics: as close to float64 as the plugin's kernels
 (the activations' two-term representation costs <= 2^-17 of a block's largest magnitude);
 `tests/test_q16_decode.py` checks the op, the split, the logits and greedy generation.
 
