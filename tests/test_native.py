@@ -81,20 +81,23 @@ def _matrix(rng: np.random.Generator, experts: int, out: int, inp: int, group: i
 @pytest.mark.parametrize(("skip", "idx_type", "scale_type"), [(0, np.int32, np.float16), (1, np.int64, np.float32),
                                                                (4, np.int32, np.float32), (8, np.int32, np.float16),
                                                                (9, np.int64, np.float16)])
-def test_u4_experts_is_the_moe_block(skip: int, idx_type: type, scale_type: type) -> None:
+@pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
+def test_u4_experts_is_the_moe_block(skip: int, idx_type: type, scale_type: type, nibbles: bool) -> None:
     """Rows from `skip` on: sum_j w[t, j] * down_e(silu(gate_e x) * up_e x); rows before: zero.
     Experts with 0, 1, 2 (`direct`), 3 and more rows (tiles), one expert never routed; skip 8: one
-    row, every expert `direct` (decode)."""
+    row, every expert `direct` (decode). Weights as the plugin leaves a u4 constant that only the
+    op reads (widened to u8) and as q16_decode passes them (the packed bytes, `nibbles`)."""
     rng = np.random.default_rng(skip)
     tokens, k = 9, 3
     routed = [0, 1, 2, 4, 5]  # expert 3: no row
     idx = np.stack([rng.permutation(routed)[:k] for _ in range(tokens)]).astype(idx_type)
     idx[:, 0] = [0] * 5 + [1] * 3 + [2]  # 0: >3 rows, 1: 3 rows, 2: 1 row (+ what the rest adds)
-    _check_u4_experts(rng, idx, skip, scale_type, experts=6, hidden=64, width=32, groups=(32, 16))
+    _check_u4_experts(rng, idx, skip, scale_type, experts=6, hidden=64, width=32, groups=(32, 16), nibbles=nibbles)
 
 
 @pytest.mark.parametrize("skip", [0, 3])
-def test_u4_experts_walks_every_tile_and_tail(skip: int) -> None:
+@pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
+def test_u4_experts_walks_every_tile_and_tail(skip: int, nibbles: bool) -> None:
     """Shapes that leave a remainder everywhere: an expert with 37 rows (token vectors 2 + 2 + 1,
     3 padded columns), 100 gate/up rows (tasks of 64 + 36), 612 outputs (64-column tasks and a
     36-column tail; 6-row kernels and a 2-row one), 612 inputs in groups of 36 (slices 252, 252,
@@ -105,7 +108,8 @@ def test_u4_experts_walks_every_tile_and_tail(skip: int) -> None:
     idx[:37, 0] = 0
     idx[:37, 1:] = np.where(idx[:37, 1:] == 0, 4, idx[:37, 1:])
     idx[37:, :] = [1, 2, 3]
-    _check_u4_experts(rng, idx, skip, np.float16, experts=experts, hidden=612, width=100, groups=(36, 20))
+    _check_u4_experts(rng, idx, skip, np.float16, experts=experts, hidden=612, width=100, groups=(36, 20),
+                      nibbles=nibbles)
 
 
 def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scale_type: type, experts: int,
