@@ -32,11 +32,12 @@ order (~1e-6 relative in f32, `tests/test_phase_experts.py`).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from kernels.packed import u8_view
 
 NAME = "phase_experts"
 MIN_TOKENS = 16  # below this a chunk takes the fused path (the loop's per-expert cost dominates)
@@ -169,19 +170,11 @@ def _routed_parts(body: Any) -> dict[str, Any]:
 def _packed_view(const: Any) -> Any:
     """A u8 constant `[E, n/2]` over the same bytes as the u4 constant `const` `[E, ...]` (n
     elements per expert, two to a byte, the first in the low nibble). The memory is shared."""
-    from openvino import opset15 as op
-
     shape = const.get_output_shape(0)
     per_expert = int(np.prod(shape[1:]))
     if per_expert % 2:
         raise RewriteError("an expert's u4 block does not end on a byte boundary")
-    data = const.get_data()  # the packed bytes: a read-only view of the constant's buffer
-    # OpenVINO shares only writeable arrays; a ctypes view of the same bytes is one, and it
-    # keeps the constant (and so its buffer) alive. The graph never writes to constants.
-    buf = (ctypes.c_uint8 * data.size).from_address(data.ctypes.data)
-    buf._owner = (data, const)  # type: ignore[attr-defined]
-    view = np.ctypeslib.as_array(buf).reshape(shape[0], per_expert // 2)
-    return op.constant(view, shared_memory=True)
+    return u8_view(const, (int(shape[0]), per_expert // 2))
 
 
 def _unpack_u4(rows: Any, const: Any) -> Any:

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from kernels.lm_head_u8 import _skip_converts
+from kernels.packed import u8_view
 
 NAME = "q16_decode"
 MAX_ROWS = 4  # chunks of up to this many rows run the op (decode); larger ones the plugin's kernel
@@ -129,25 +130,12 @@ def _split(matmul: Any, op_node: Any) -> Any:
     return op.concat([plugin.output(0), native.output(0)], axis)
 
 
-class _SharedBytes:
-    """`data` (a read-only view of a constant's buffer, which keeps the buffer alive) as a numpy
-    array interface with another shape: `Constant(shared_memory=True)` wants a writeable array, and
-    a copy would double the experts' weights in memory while the model is built."""
-
-    def __init__(self, data: np.ndarray, shape: tuple[int, ...]) -> None:
-        if data.dtype != np.uint8 or not data.flags.c_contiguous or data.size != int(np.prod(shape)):
-            raise RewriteError(f"a u4 constant's buffer of {data.size} bytes is not {shape}")
-        self.data = data  # the constant's buffer lives as long as this object
-        self.__array_interface__ = {"data": (data.ctypes.data, False), "shape": shape, "typestr": "|u1", "version": 3}
-
-
 def _as_bytes(weights: Any) -> Any:
     """A u4 constant [..., g] as the u8 constant [..., g / 2] of its packed bytes, on the same
     memory. The CPU plugin widens a u4 constant that none of its own kernels reads to u8 (twice
     the bytes for every decode step to read, and to hold: the routed experts once their fused
     block is gone); typed u8, the bytes reach the op (`nibbles`) as exported."""
     from openvino import Type
-    from openvino import op as ops
 
     node = weights.get_node()
     if node.get_type_name() != "Constant" or node.get_element_type() != Type.u4:
@@ -155,7 +143,7 @@ def _as_bytes(weights: Any) -> Any:
     *lead, width = (int(d) for d in node.get_shape())
     if width % 2:
         raise RewriteError(f"u4 weights {node.get_friendly_name()}: an odd last dim ({width}) has no whole bytes")
-    const = ops.Constant(np.asarray(_SharedBytes(node.data, (*lead, width // 2))), shared_memory=True)
+    const = u8_view(node, (*lead, width // 2))
     const.set_friendly_name(f"{node.get_friendly_name()}/bytes")
     return const.output(0)
 

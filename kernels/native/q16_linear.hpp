@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <openvino/core/type/float16.hpp>
@@ -180,8 +181,7 @@ public:
         const ov::Shape ws = w.to_shape();
         NODE_VALIDATION_CHECK(this, !m_nibbles || (wt == ov::element::u8 && ws.size() == 3),
                               "with nibbles, the weights are u8 bytes [N, G, g / 2] holding two u4 values each");
-        const size_t group = ws.size() == 2 ? ws[1] : ws[2] * (m_nibbles ? 2 : 1);
-        const size_t K = ws.size() == 2 ? ws[1] : ws[1] * group;
+        const auto [K, group] = k_and_group(ws);
         NODE_VALIDATION_CHECK(this, group % q16::kBlock == 0, "the weights' group must be a multiple of 128 inputs");
         NODE_VALIDATION_CHECK(this, wt == ov::element::u8 || ws.size() == 3, "u4 weights must be grouped [N, G, g]");
         const auto& z = get_input_partial_shape(2);
@@ -213,16 +213,17 @@ public:
         const ov::Tensor& x = inputs[0];
         const ov::Tensor& w = inputs[1];
         const ov::Shape xs = x.get_shape(), ws = w.get_shape();
+        const auto [K, group] = k_and_group(ws);
+        const size_t N = ws[0];
         q16::Weights W{static_cast<const uint8_t*>(w.data()),
                        static_cast<const uint8_t*>(inputs[2].data()),
                        inputs[3].data(),
                        m_nibbles || w.get_element_type() == ov::element::u4,
                        inputs[2].get_element_type() == ov::element::u4,
                        inputs[3].get_element_type() == ov::element::f16,
-                       ws[0],
-                       ws.size() == 2 ? ws[1] : ws[1] * ws[2] * (m_nibbles ? 2 : 1),
-                       ws.size() == 2 ? ws[1] : ws[2] * (m_nibbles ? 2 : 1)};
-        const size_t K = W.K, N = W.N;
+                       N,
+                       K,
+                       group};
         if (xs.back() != K)
             return false;
         const size_t M = ov::shape_size(xs) / K;
@@ -245,6 +246,14 @@ public:
     }
 
 private:
+    // Inputs per row and per group of w [N, K] (one group) or [N, G, g] (g / 2 bytes with nibbles).
+    std::pair<size_t, size_t> k_and_group(const ov::Shape& ws) const {
+        if (ws.size() == 2)
+            return {ws[1], ws[1]};
+        const size_t group = ws[2] * (m_nibbles ? 2 : 1);
+        return {ws[1] * group, group};
+    }
+
     bool m_nibbles = false;
 };
 

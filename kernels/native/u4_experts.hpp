@@ -340,7 +340,7 @@ public:
                                   "zero points and scales must be [E, O, G, 1]");
         }
         const auto g = get_input_shape(4), u = get_input_shape(7), d = get_input_shape(10);
-        const size_t per_byte = m_nibbles ? 2 : 1;  // inputs per weight element
+        const size_t per_byte = per_element();
         NODE_VALIDATION_CHECK(this, g == u, "gate and up must have one shape");
         NODE_VALIDATION_CHECK(this, d[0] == g[0] && d[2] * d[3] * per_byte == g[1], "down's inputs must be gate's outputs");
         const auto& x = get_input_partial_shape(0);
@@ -388,7 +388,7 @@ public:
             mats[m] = {static_cast<const uint8_t*>(inputs[4 + 3 * m].data()), static_cast<const uint8_t*>(inputs[5 + 3 * m].data()),
                        m_nibbles || inputs[4 + 3 * m].get_element_type() == ov::element::u4,
                        inputs[5 + 3 * m].get_element_type() == ov::element::u4, inputs[6 + 3 * m].data(),
-                       inputs[6 + 3 * m].get_element_type() == ov::element::f16, ws[1], ws[2], ws[3] * (m_nibbles ? 2 : 1)};
+                       inputs[6 + 3 * m].get_element_type() == ov::element::f16, ws[1], ws[2], ws[3] * per_element()};
         }
         const Packed& gate = mats[0];
         const Packed& up = mats[1];
@@ -538,6 +538,8 @@ public:
     }
 
 private:
+    size_t per_element() const { return m_nibbles ? 2 : 1; }  // weight values per element of w
+
     int64_t m_q16_rows = 0;
     bool m_nibbles = false;
 };
