@@ -65,8 +65,9 @@ def _weights(rng: np.random.Generator, kind: str, n: int, k: int, group: int, sc
 
 
 def _bound(x: np.ndarray, dense: np.ndarray) -> np.ndarray:
-    """f32 accuracy for each output: 1e-6 of sum |x| |w|. Rounding x to two int16 terms per
-    128-input block costs at most 2^-17 of the block's largest magnitude per input: far below."""
+    """f32 accuracy for each output: 1e-6 of sum |x| |w|. Rounding x to two terms per 128-input
+    block costs at most 2^-17 (u4: 2^-9) of q's unit, 32767 units to the block's largest
+    magnitude: far below."""
     rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
     return (1e-6 * (np.abs(rows) @ np.abs(dense).T) + 1e-30).reshape(*x.shape[:-1], dense.shape[0])
 
@@ -90,6 +91,33 @@ def test_q16_linear_is_the_decompressed_matmul(kind: str, k: int, group: int, sh
     want = x.astype(np.float64) @ dense.T
     assert got.shape == (*shape, n)
     err = np.abs(got - want)
+    assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
+
+
+@pytest.mark.parametrize(("k", "group"), [(2048, 128), (1152, 128), (512, 128), (1024, 256)],
+                         ids=["16-groups", "9-groups", "4-groups", "2-blocks-per-group"])
+@pytest.mark.parametrize("scale_type", [np.float16, np.float32])
+def test_q16_linear_u4_as_exported(k: int, group: int, scale_type: type) -> None:
+    """The op evaluated without the plugin, so u4 zero points and f16 scales reach it as exported
+    (a compiled model hands it u8 and f32 copies): the row's scales and zero points are read
+    eight groups at a time where they can be (whole eights of one-block groups; a row starting at
+    an odd zero-point nibble, as row 1 of 9 groups does, takes the scalar path), every output to
+    f32 accuracy."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    rng = np.random.default_rng(k + group)
+    n = 5
+    inputs, dense = _weights(rng, "u4", n, k, group, scale_type)
+    w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
+    node = native.factory().create("Q16Linear", [op.parameter([2, k], np.float32), w, *inputs[1:]],
+                                   {"nibbles": True})
+    assert [c.get_element_type() for c in inputs[1:]] == [ov.Type.u4, ov.Type(scale_type)]
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    x[1, 3] = -40.0
+    out = ov.Tensor(ov.Type.f32, [2, n])
+    assert node.evaluate([out], [ov.Tensor(x), *(c.get_tensor_view() for c in (w, *inputs[1:]))])
+    err = np.abs(out.data - x.astype(np.float64) @ dense.T)
     assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
 
 

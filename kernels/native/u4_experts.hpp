@@ -426,9 +426,10 @@ public:
                 present.push_back(e);
 
         const float* xp = x.data<const float>();
-        // decode rows with q16_rows: the one- and two-row experts' products on two-term int16 activations
+        // decode rows with q16_rows: the one- and two-row experts' products on two-term integer activations
         const bool use_q16 = m_q16_rows > 0 && T - skip <= static_cast<size_t>(m_q16_rows) && gate.w4 == up.w4 &&
-                             gate.group % q16::kBlock == 0 && down.group % q16::kBlock == 0;
+                             gate.group % q16::kBlock == 0 && down.group % q16::kBlock == 0 &&
+                             H <= q16::kMaxInputs && I <= q16::kMaxInputs;
         const auto view = [](const Packed& m, size_t E_) {
             return q16::Weights{m.w, m.z, m.s, m.w4, m.z4, m.s16, E_ * m.out, m.in(), m.group};
         };
