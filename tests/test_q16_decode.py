@@ -94,14 +94,14 @@ def test_q16_linear_is_the_decompressed_matmul(kind: str, k: int, group: int, sh
     assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
 
 
-@pytest.mark.parametrize(("k", "group"), [(2048, 128), (1152, 128), (512, 128), (1024, 256)],
-                         ids=["16-groups", "9-groups", "4-groups", "2-blocks-per-group"])
+@pytest.mark.parametrize(("k", "group"), [(2048, 128), (1536, 128), (1152, 128), (512, 128), (1024, 256)],
+                         ids=["16-groups", "12-groups", "9-groups", "4-groups", "2-blocks-per-group"])
 @pytest.mark.parametrize("scale_type", [np.float16, np.float32])
 def test_q16_linear_u4_as_exported(k: int, group: int, scale_type: type) -> None:
     """The op evaluated without the plugin, so u4 zero points and f16 scales reach it as exported
     (a compiled model hands it u8 and f32 copies): the row's scales and zero points are read
-    eight groups at a time where they can be (whole eights of one-block groups; a row starting at
-    an odd zero-point nibble, as row 1 of 9 groups does, takes the scalar path), every output to
+    eight, then four groups at a time where they can be (one-block groups; a row starting at an
+    odd zero-point nibble, as row 1 of 9 groups does, takes the scalar path), every output to
     f32 accuracy."""
     import openvino as ov
     from openvino import opset15 as op

@@ -242,6 +242,23 @@ inline float dot_u4(const Weights& W, size_t n, const Row& r) {
             const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb));
             zv = _mm256_fmadd_ps(_mm256_mul_ps(s, z), _mm256_loadu_ps(zq + g), zv);
         }
+        if (g + 4 <= groups) {  // four more (a 512-input row: the experts' down projections)
+            const __m128 s = W.s16 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(W.s) + first + g)))
+                                   : _mm_loadu_ps(static_cast<const float*>(W.s) + first + g);
+            _mm_store_ps(S + g, _mm_mul_ps(s, _mm_loadu_ps(sx + g)));
+            int32_t zb;  // 4 zero points as bytes
+            if (W.z4) {
+                uint16_t packed;
+                std::memcpy(&packed, W.z + (first + g) / 2, 2);
+                zb = (packed & 0x0F) | ((packed >> 4) & 0x0F) << 8 | ((packed >> 8) & 0x0F) << 16 | (packed >> 12) << 24;
+            } else {
+                std::memcpy(&zb, W.z + first + g, 4);
+            }
+            const __m128 z = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(zb)));
+            const __m128 t = _mm_mul_ps(_mm_mul_ps(s, z), _mm_loadu_ps(zq + g));
+            zv = _mm256_add_ps(zv, _mm256_insertf128_ps(_mm256_setzero_ps(), t, 0));
+            g += 4;
+        }
     }
     float zero_terms = hsum(zv);
     for (; g < groups; ++g) {
