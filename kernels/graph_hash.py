@@ -56,10 +56,14 @@ def _update(h: Any, model: Any) -> None:
                 _update(h, body)
 
 
-def structure_hash(model: Any) -> str:
-    """16 hex digits identifying `model`'s structure (see the module docstring)."""
+def structure_hash(model: Any, *more: Any) -> str:
+    """16 hex digits identifying `model`'s structure (see the module docstring); with `more`
+    models (the candidate's decode graph), of all of them in order."""
     h = hashlib.sha256()
-    _update(h, model)
-    for out in model.outputs:
-        h.update(("out:" + ",".join(sorted(out.get_names()))).encode())
+    for i, m in enumerate((model, *more)):
+        if i:
+            h.update(f"model {i}\n".encode())
+        _update(h, m)
+        for out in m.outputs:
+            h.update(("out:" + ",".join(sorted(out.get_names()))).encode())
     return h.hexdigest()[:16]

@@ -172,9 +172,10 @@ def _experts_to_op(node: Any, factory: Any) -> None:
         target.replace_source_output(new.output(0))
 
 
-def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True) -> Any:
+def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool = True) -> Any:
     """Rewrite `model` (before compile) in place; returns it. `min_bytes`: smaller weights stay
-    on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it)."""
+    on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it).
+    `split=False`: a decode graph, every matmul replaced outright (any rows run the op)."""
     from kernels import last_token_logits, native
 
     native.require_cpu(NAME, RewriteError)
@@ -205,7 +206,7 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True) -> Any:
         def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles) -> Any:
             return factory.create("Q16Linear", [*inputs, *consts], {"nibbles": nibbles})
 
-        if is_head:
+        if is_head or not split:
             out = q16([matmul.input_value(0)]).output(0)
         else:
             out = _split(matmul, q16).output(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -333,3 +334,79 @@ def test_a_model_without_compressed_matmuls_is_refused() -> None:
     p = op.parameter([2], np.float32, name="x")
     with pytest.raises(q16_decode.RewriteError, match="no compressed dense matmul"):
         q16_decode.apply(ov.Model([op.relu(p)], [p]))
+
+
+# -- the decode graph (worker/engine/candidate.py: DECODE_GRAPH) ---------------------------------
+
+def _cpu_engine(model_dir: Path, decode_graph: bool, kv_f32: bool = False, **prefill: Any) -> Any:
+    """The candidate on the `cpu` profile's kernels with `decode_graph` set; 64-token chunks
+    (and `prefill` overrides, e.g. a long-context profile); `kv_f32`: an f32 KV cache instead of
+    the plugin's default (u8 on this CPU)."""
+    import msgspec
+
+    from iq36.profile import PrefillSection, load
+    from worker.engine import create
+
+    profile = load("cpu")
+    properties = {**profile.engine.properties, **({"KV_CACHE_PRECISION": "f32"} if kv_f32 else {})}
+    profile = msgspec.structs.replace(profile, prefill=PrefillSection(**{"chunk_tokens": 64, **prefill}),
+                                      engine=msgspec.structs.replace(profile.engine, properties=properties),
+                                      kernels={**profile.kernels, "decode_graph": decode_graph})
+    return create("candidate", model_dir, profile)
+
+
+def _forced(engine: Any, prompt: list[int], forced: list[int]) -> np.ndarray:
+    try:
+        return np.stack(list(engine.forced_logits(prompt, forced)))
+    finally:
+        engine.close()
+
+
+def test_decode_graph_gives_the_split_graphs_logits(tiny_dir: Path) -> None:
+    """Decode steps on the decode graph (every matmul on the op) compute what the split graph's
+    do (the op takes their decode rows too): with an f32 KV cache the logits are bit for bit the
+    same. With the plugin's u8 KV cache, moving the state from the prefill model reads it as f32
+    and quantises it again, which moves the logits by ~4e-7 of their scale (the op's own
+    rounding is 2-3e-7): within 2e-6, same greedy tokens. Prefill runs on the main model, every
+    decode step on the decode graph; the graph identity covers both graphs."""
+    prompt, forced = list(range(1000, 1150)), list(range(2000, 2016))
+    on = _cpu_engine(tiny_dir, True, kv_f32=True)
+    assert "decode_graph" in on.describe()["kernels"]
+    off = _cpu_engine(tiny_dir, False, kv_f32=True)
+    assert on.graph_hash != off.graph_hash
+    decode = on._decode_request
+    got = _forced(on, prompt, forced)
+    assert on._calls[id(decode)] == len(forced) - 1  # every decode step ran there
+    assert np.array_equal(got, _forced(off, prompt, forced))
+
+    got = _forced(_cpu_engine(tiny_dir, True), prompt, forced)
+    want = _forced(_cpu_engine(tiny_dir, False), prompt, forced)
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_long_contexts_decode_on_the_main_model(tiny_dir: Path) -> None:
+    """From `[prefill.long] from_tokens` on, decode stays where prefill ran (no state move of a
+    long KV cache); the logits are the same either way."""
+    from iq36.profile import LongContextSection
+
+    prompt, forced = list(range(1000, 1150)), list(range(2000, 2008))
+    on = _cpu_engine(tiny_dir, True, long=LongContextSection(from_tokens=100, chunk_tokens=32))
+    decode = on._decode_request
+    got = _forced(on, prompt, forced)
+    assert on._calls.get(id(decode), 0) == 0
+    off = _cpu_engine(tiny_dir, False, long=LongContextSection(from_tokens=100, chunk_tokens=32))
+    assert np.array_equal(got, _forced(off, prompt, forced))
+
+
+def test_decode_graph_needs_q16_decode(tiny_dir: Path) -> None:
+    import msgspec
+    import openvino as ov
+
+    from iq36.profile import load
+    from worker.engine.candidate import specialised_model
+
+    profile = load("cpu")
+    profile = msgspec.structs.replace(profile, kernels={**profile.kernels, "q16_decode": False, "decode_graph": True})
+    with pytest.raises(ValueError, match="turn q16_decode on"):
+        specialised_model(ov.Core(), tiny_dir, profile)

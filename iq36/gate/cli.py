@@ -163,15 +163,13 @@ def _op_tables(model_dir: Path, args: argparse.Namespace) -> None:
         engine = CandidateEngine(model_dir, profile, tokenizer)  # fresh request: counters start at zero
         try:
             rows = engine.forced_logits(prompt, [prompt[-1], prompt[-1]])
-            next(rows)  # the prefill ran, in k chunks
-            k = -(-n // profile.prefill.chunk_for(n))
-            avg_k = engine.op_profile()  # the plugin reports averages over all inferences so far
+            next(rows)  # the prefill ran
+            prefill = engine.op_profile()  # seconds per op type over every inference so far
             next(rows)  # one decode step
-            avg_k1 = engine.op_profile()
+            after = engine.op_profile()
         finally:
             engine.close()
-        prefill = {op: t * k for op, t in avg_k.items()}
-        decode = {op: max(0.0, t * (k + 1) - avg_k.get(op, 0.0) * k) for op, t in avg_k1.items()}
+        decode = {op: max(0.0, t - prefill.get(op, 0.0)) for op, t in after.items()}
         for phase, table in (("prefill", prefill), ("decode-step", decode)):
             ranked = sorted(table.items(), key=lambda kv: -kv[1])
             total = sum(table.values()) or 1.0

@@ -63,8 +63,8 @@ def _graph_hash(model_dir: str, profile: str, perturb: bool) -> str:
     prof = load(profile)
     if perturb:  # as iq36/gate/correctness.py runs the candidate
         prof = msgspec.structs.replace(prof, kernels={**prof.kernels, "perturb_embeddings": True})
-    model, _ = specialised_model(ov.Core(), Path(model_dir), prof)
-    return structure_hash(model)
+    model, _, decode = specialised_model(ov.Core(), Path(model_dir), prof)
+    return structure_hash(model, *([decode] if decode is not None else []))
 
 
 def _identities(opts: Any) -> dict[str, Any]:

@@ -1,12 +1,13 @@
 """The candidate engine: our own generation loop over `openvino.Core` on the locked IR.
 
-One compiled model, one infer request, one request at a time. The IR is stateful (conv/ssm
-states of the Gated-DeltaNet layers, KV of the full-attention layers), so a request starts
-from an empty state (`reset_state()`), then its prompt is fed in chunks — one chunk per
-`step()`, so an abort lands between chunks — and then one token per `step()`. The chunk size
-comes from the profile's context profile for the prompt's length (`[prefill]` for short
-prompts, `[prefill.long]` from its `from_tokens` on): the caller never pads or picks. Kernels
-from `kernels/` rewrite the IR before compile (see `_KERNELS`).
+One compiled model, one infer request, one request at a time (a profile may add a prefill
+model and a decode graph, between which the state moves: `_PREFILL_KERNELS`, `DECODE_GRAPH`).
+The IR is stateful (conv/ssm states of the Gated-DeltaNet layers, KV of the full-attention
+layers), so a request starts from an empty state (`reset_state()`), then its prompt is fed in
+chunks — one chunk per `step()`, so an abort lands between chunks — and then one token per
+`step()`. The chunk size comes from the profile's context profile for the prompt's length
+(`[prefill]` for short prompts, `[prefill.long]` from its `from_tokens` on): the caller never
+pads or picks. Kernels from `kernels/` rewrite the IR before compile (see `_KERNELS`).
 
 Prefix-state reuse (`[prefix_cache]`, worker/prefix_cache.py): a request instead starts from
 a snapshot of the longest cached proper prefix of its prompt and prefills only the rest. The
@@ -117,6 +118,15 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 # Kernels that rewrite the same blocks: at most one of each group may be on.
 _EXCLUSIVE = ({"phase_experts", "native_experts"},)
 
+# A second compiled model for single-token steps (decode) of short contexts: the main model
+# with q16_decode's matmuls replaced outright instead of split between the plugin and the op,
+# so a decode step runs no zero-row plugin matmul and concat per matmul (dev-bench: 4-6% of a
+# step). Built from a clone taken just before q16_decode (the clone shares the constants: no
+# second copy of the weights). The state moves to it after prefill (one host copy of every
+# variable: ~30 ms for 1024 tokens of dev-bench context); long contexts ([prefill.long]) keep
+# decoding on the main model, where moving a KV cache of GBs would cost more than it saves.
+DECODE_GRAPH = "decode_graph"
+
 # Rewrites that pay off only for chunks of many tokens: applied to a second compiled model used
 # for prefill chunks (> 1 token), while single tokens (decode) run the main one. The model state
 # moves between the two when the phase changes (a copy of every state variable). Off by default:
@@ -129,21 +139,31 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear"}  # kernels/native ops a rewrite may insert
 
 
-def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str]]:
+def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str], Any]:
     """The locked IR read by `core` with the profile's rewrites (`_KERNELS`) applied, not yet
-    compiled, and the names of the rewrites applied."""
+    compiled, the names of the rewrites applied, and the decode graph (`DECODE_GRAPH`) or None."""
     model = core.read_model(Path(model_dir) / "openvino_model.xml")
     for group in _EXCLUSIVE:
         on = sorted(name for name in group if profile.kernels.get(name, _KERNELS[name][1]))
         if len(on) > 1:
             raise ValueError(f"profile {profile.name}: kernels {' and '.join(on)} rewrite the same blocks; "
                              "turn all but one off in [kernels]")
-    applied = []
+    decode_graph = profile.kernels.get(DECODE_GRAPH, False)
+    if decode_graph and not profile.kernels.get("q16_decode", _KERNELS["q16_decode"][1]):
+        raise ValueError(f"profile {profile.name}: kernel {DECODE_GRAPH} is q16_decode's decode graph; "
+                         "turn q16_decode on in [kernels] too")
+    applied, decode = [], None
     for name, (rewrite, default) in _KERNELS.items():
         if profile.kernels.get(name, default):
+            if name == "q16_decode" and decode_graph:
+                from kernels import q16_decode
+
+                decode = q16_decode.apply(model.clone(), split=False)
             model = rewrite(model)
             applied.append(name)
-    return model, applied
+    if decode is not None:
+        applied.append(DECODE_GRAPH)
+    return model, applied, decode
 
 
 class _Running:
@@ -178,11 +198,12 @@ class CandidateEngine:
         self.tokenizer = tokenizer or ModelTokenizer(self.model_dir)
         core = ov.Core()
         xml = self.model_dir / "openvino_model.xml"
-        model, kernels = specialised_model(core, self.model_dir, profile)
+        model, kernels, decode = specialised_model(core, self.model_dir, profile)
         self.kernels: list[str] = kernels
         from kernels.graph_hash import structure_hash
 
-        self.graph_hash = structure_hash(model)  # joins the identity (READY, /v1/models, gate)
+        # joins the identity (READY, /v1/models, gate)
+        self.graph_hash = structure_hash(model, *([decode] if decode is not None else []))
         self._inputs = {p.get_any_name() for p in model.inputs}
         vocab = model.output("logits").get_partial_shape()[-1]
         self.vocab_size = vocab.get_length() if vocab.is_static else read_vocab_size(self.model_dir)
@@ -193,6 +214,13 @@ class CandidateEngine:
             native.register(core)  # compiling does not need it; importing a cached blob would
         self._compiled = core.compile_model(model, profile.engine.device, properties)
         self._request = self._compiled.create_infer_request()
+        self._decode_request: Any = None
+        self._decode_compiled: Any = None
+        if decode is not None:
+            self._decode_compiled = core.compile_model(decode, profile.engine.device, properties)
+            self._decode_request = self._decode_compiled.create_infer_request()
+        # contexts from here on decode on the main model (see DECODE_GRAPH)
+        self._decode_until = profile.prefill.long.from_tokens if profile.prefill.long is not None else None
         self._prefill_request: Any = None
         prefill = [name for name, (_, default) in _PREFILL_KERNELS.items() if profile.kernels.get(name, default)]
         if prefill:
@@ -287,8 +315,8 @@ class CandidateEngine:
         self._snapshot_due = None
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-        self._request = self._live = self._prefill_request = None
-        self._compiled = self._prefill_compiled = None
+        self._request = self._live = self._prefill_request = self._decode_request = None
+        self._compiled = self._prefill_compiled = self._decode_compiled = None
 
     def describe(self) -> dict[str, Any]:
         """What the compiled model resolved to (reported in the worker's READY identity)."""
@@ -299,11 +327,16 @@ class CandidateEngine:
         }
 
     def op_profile(self) -> dict[str, float]:
-        """Seconds per op type, averaged over every inference of this request object so far
-        (that is how the CPU plugin reports it; needs PERF_COUNT=True in the profile)."""
+        """Seconds per op type summed over every inference so far, of every compiled model the
+        engine runs (the CPU plugin reports per-request averages; needs PERF_COUNT=True in the
+        profile). Differences between two calls give the time of the inferences between them."""
         totals: dict[str, float] = {}
-        for info in self._request.profiling_info:
-            totals[info.node_type] = totals.get(info.node_type, 0.0) + info.real_time.total_seconds()
+        for request in (self._request, self._prefill_request, self._decode_request):
+            calls = self._calls.get(id(request), 0) if request is not None else 0
+            if not calls:
+                continue
+            for info in request.profiling_info:
+                totals[info.node_type] = totals.get(info.node_type, 0.0) + info.real_time.total_seconds() * calls
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
     def forced_logits(self, prompt: list[int], forced: list[int]) -> Iterator[np.ndarray]:
@@ -444,7 +477,12 @@ class CandidateEngine:
 
     def _infer(self, ids: np.ndarray, past: int) -> np.ndarray:
         """Feed `ids` after `past` tokens of state; the last position's logits (a view)."""
-        request = self._prefill_request if ids.size > 1 and self._prefill_request is not None else self._request
+        if ids.size > 1:
+            request = self._prefill_request or self._request
+        elif self._decode_request is not None and (self._decode_until is None or past < self._decode_until):
+            request = self._decode_request
+        else:
+            request = self._request
         if self._live is None:  # both requests hold an empty state
             self._live = request
         elif request is not self._live:
@@ -458,9 +496,9 @@ class CandidateEngine:
     def _reset_state(self) -> None:
         # An empty state cannot be moved between requests (the KV cache's empty shape is not a
         # valid one to set): reset every request, and the first inference picks the holder.
-        self._request.reset_state()
-        if self._prefill_request is not None:
-            self._prefill_request.reset_state()
+        for request in (self._request, self._prefill_request, self._decode_request):
+            if request is not None:
+                request.reset_state()
         self._live = None
 
 
