@@ -3,9 +3,12 @@
 Why (docs/perf-log.md, "Session 6: decode on integer products"): a decode step is the LM head (u8) and the
 dense u4 matmuls at batch 1, and on an AVX2 CPU without VNNI the plugin's compressed-weights
 kernels are bound by widening every weight to f32 (u4: 4-6 GB/s against ~26 GB/s of read
-bandwidth). `Q16Linear` (kernels/native/q16_linear.hpp) writes the activation row as two int16
-terms per block of 128 inputs (f32-level precision) and multiplies the integer weights with
-`pmaddwd`; the routed experts' decode rows take the same products inside `U4Experts`.
+bandwidth). `Q16Linear` (kernels/native/q16_linear.hpp) writes the activation row as two integer
+terms per block of 128 inputs (an int16 term and its residual, int16 for u8 weights, int8 for u4;
+f32-level precision) and multiplies the integer weights with `pmaddwd` (and `pmaddubsw` for the
+u4 residual); the routed experts' decode rows take the same products inside `U4Experts`.
+`cpu` adds a decode graph with these matmuls replaced outright (worker/engine/candidate.py,
+`DECODE_GRAPH`).
 
 Which matmuls: `MatMul(x, Convert(Reshape?(Multiply(Subtract(Convert(w), Convert(zp)), scale))),
 transpose_b)` with u4/u8 weights of shape [N, G, g] (or the LM head's u8 [N, K]), groups a
@@ -26,7 +29,8 @@ copy of the weights; u4 weights reach the ops as their packed bytes typed u8 (`_
 ops' `nibbles`), since the plugin widens a u4 constant that only an extension op reads to u8. A
 `native_experts` block's U4Experts op takes every row (`q16_rows`), its fused block dropped
 (`_experts_to_op`). Numerics: as close to float64 as the plugin's kernels
-(the activations' two-term representation costs <= 2^-17 of a block's largest magnitude);
+(the activations' two-term representation costs <= 2^-17 of q's unit for u8 weights, 2^-9 for
+u4, against 32767 units to a block's largest magnitude: what f32 itself resolves there);
 `tests/test_q16_decode.py` checks the op, the split, the logits and greedy generation.
 
 CPU only (the op runs through the CPU plugin's `evaluate`).

@@ -27,8 +27,9 @@
 // every FMA lands in its final accumulator (no horizontal sums). An expert with one or two rows
 // (decode) skips the tile: its products are taken straight from the packed bytes (`direct`).
 // With the `q16_rows` attribute (q16_decode), a call of at most that many rows (decode) takes
-// those products on integers instead: each row and each act row written as two int16 terms per
-// 128 inputs, pmaddwd on the packed weights (q16_linear.hpp); as close to float64 as the f32 path.
+// those products on integers instead: each row and each act row written as two integer terms per
+// 128 inputs, pmaddwd / pmaddubsw on the packed weights (q16_linear.hpp); as close to float64 as
+// the f32 path.
 // Math: (q - z) * s in f32, as the CPU plugin's own fused kernels compute it (the export's graph says f16; rounding the product to
 // f16 moved the logits 10x further from stock's, docs/perf-log.md), f32 accumulation in another
 // order than the plugin's.
