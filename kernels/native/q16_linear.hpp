@@ -224,37 +224,31 @@ inline float dot_u4(const Weights& W, size_t n, const Row& r) {
     alignas(32) float S[kMaxInputs / kBlock];
     size_t g = 0;
     __m256 zv = _mm256_setzero_ps();
+    // `count` (8 or 4) zero points from group `at` on, as the low bytes of a vector (u4: `at` even)
+    const auto zero_bytes = [&W](size_t at, size_t count) {
+        uint64_t bytes = 0;
+        if (!W.z4) {
+            std::memcpy(&bytes, W.z + at, count);
+            return _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
+        }
+        std::memcpy(&bytes, W.z + at / 2, count / 2);
+        const __m128i p = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
+        return _mm_and_si128(_mm_unpacklo_epi8(p, _mm_srli_epi16(p, 4)), _mm_set1_epi8(0x0F));
+    };
     if (per == 1 && !(W.z4 && (n * groups) % 2)) {
         const size_t first = n * groups;
         for (; g + 8 <= groups; g += 8) {
             const __m256 s = W.s16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(W.s) + first + g)))
                                    : _mm256_loadu_ps(static_cast<const float*>(W.s) + first + g);
             _mm256_store_ps(S + g, _mm256_mul_ps(s, _mm256_loadu_ps(sx + g)));
-            __m128i zb;  // 8 zero points as bytes
-            if (W.z4) {
-                int32_t packed;
-                std::memcpy(&packed, W.z + (first + g) / 2, 4);
-                const __m128i p = _mm_cvtsi32_si128(packed);
-                zb = _mm_and_si128(_mm_unpacklo_epi8(p, _mm_srli_epi16(p, 4)), _mm_set1_epi8(0x0F));
-            } else {
-                zb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(W.z + first + g));
-            }
-            const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb));
+            const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zero_bytes(first + g, 8)));
             zv = _mm256_fmadd_ps(_mm256_mul_ps(s, z), _mm256_loadu_ps(zq + g), zv);
         }
         if (g + 4 <= groups) {  // four more (a 512-input row: the experts' down projections)
             const __m128 s = W.s16 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(W.s) + first + g)))
                                    : _mm_loadu_ps(static_cast<const float*>(W.s) + first + g);
             _mm_store_ps(S + g, _mm_mul_ps(s, _mm_loadu_ps(sx + g)));
-            int32_t zb;  // 4 zero points as bytes
-            if (W.z4) {
-                uint16_t packed;
-                std::memcpy(&packed, W.z + (first + g) / 2, 2);
-                zb = (packed & 0x0F) | ((packed >> 4) & 0x0F) << 8 | ((packed >> 8) & 0x0F) << 16 | (packed >> 12) << 24;
-            } else {
-                std::memcpy(&zb, W.z + first + g, 4);
-            }
-            const __m128 z = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(zb)));
+            const __m128 z = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(zero_bytes(first + g, 4)));
             const __m128 t = _mm_mul_ps(_mm_mul_ps(s, z), _mm_loadu_ps(zq + g));
             zv = _mm256_add_ps(zv, _mm256_insertf128_ps(_mm256_setzero_ps(), t, 0));
             g += 4;
