@@ -27,6 +27,29 @@ def run_cli(
 
 MAX_STEPS = 10_000  # a runaway loop fails the test instead of hanging it
 
+# The CPU plugin's reference mode, for tests that bound numeric differences: f32 inference and no
+# dynamic quantisation of the activations (on an AVX-512 VNNI CPU the plugin's default rounds them
+# to int8 in groups of 32 for its compressed matmuls: 8e-3 of the logits' scale on dev-tiny, even
+# with f32 inference). Same as the `cpu-f32` profile's properties.
+REFERENCE = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+
+
+def reference_cpu_profile(directory: Path) -> Path:
+    """The `cpu` profile (every kernel) with the plugin in reference mode (`REFERENCE`), written
+    to `directory`: what the correctness gate sees on every CPU alike. Under the plugin's bf16
+    default (AVX-512 BF16 CPUs) stock and the reference round to bf16 and int8 where the
+    candidate's own ops compute in f32, and a random-weight model's flat distributions turn
+    those roundings into greedy divergences (docs/perf-log.md, session 9)."""
+    import profiles
+
+    text = (Path(profiles.__file__).parent / "cpu.toml").read_text()
+    lines = "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in REFERENCE.items())
+    text = text.replace('name = "cpu"', 'name = "cpu-reference"', 1)
+    text = text.replace('PERFORMANCE_HINT = "LATENCY"\n', f'PERFORMANCE_HINT = "LATENCY"\n{lines}', 1)
+    path = directory / "cpu-reference.toml"
+    path.write_text(text)
+    return path
+
 
 def run_engine(engine: Any, *reqs: Any) -> list[Any]:
     """Add `reqs` and step until the engine is idle; every output, in order."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from iq36.profile import PrefillSection, Profile, load
-from tests.helpers import MAX_STEPS, final, tokens_of
+from tests.helpers import MAX_STEPS, REFERENCE, final, tokens_of
 from tests.helpers import run_engine as run
 from worker.engine import (
     Engine,
@@ -117,7 +117,7 @@ def test_last_token_logits_kernel_keeps_the_last_row(model_fixture: str, prompt:
     from worker.reference import ReferenceRunner
 
     model_dir: Path = request.getfixturevalue(model_fixture)
-    props = {"INFERENCE_PRECISION_HINT": "f32"}
+    props = REFERENCE
     full = ReferenceRunner(model_dir, properties=props)
     core = ov.Core()
     model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))

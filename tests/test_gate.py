@@ -1,4 +1,8 @@
-"""The gate end to end on dev-tiny: a smoke run's outputs, and proof the gate can fail."""
+"""The gate end to end on dev-tiny: a smoke run's outputs, and proof the gate can fail.
+
+Both run the `cpu` profile's kernels with the plugin in reference mode (`reference_cpu_profile`):
+the same numerics on every CPU (under its bf16 default on an AVX-512 BF16 CPU, stock's bf16/int8
+roundings move dev-tiny's greedy tokens; docs/perf-log.md, session 9)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import reference_cpu_profile, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +20,8 @@ pytestmark = pytest.mark.slow
 def test_smoke_gate_writes_all_outputs_and_claims_nothing(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "gate"
     args = ["gate", "--model", str(tiny_dir), "--smoke", "--buckets", "96", "--blocks", "2",
-            "--output-tokens", "24", "--correctness-tokens", "64", "--out", str(out), "--quiet"]
+            "--output-tokens", "24", "--correctness-tokens", "64", "--out", str(out), "--quiet",
+            "--profile", str(reference_cpu_profile(tmp_path))]
     proc = run_cli(*args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -57,13 +62,14 @@ def test_smoke_gate_writes_all_outputs_and_claims_nothing(tiny_dir: Path, tmp_pa
     assert elsewhere.returncode == 1 and "another machine" in elsewhere.stderr
 
 
-def test_corrupted_candidate_fails_the_correctness_gate(tiny_dir: Path) -> None:
+def test_corrupted_candidate_fails_the_correctness_gate(tiny_dir: Path, tmp_path: Path) -> None:
     """A deliberately wrong rewrite (kernels/perturb.py) must fail; the same case passes without it."""
     from iq36.gate.correctness import CorrectnessSpec, run_case
     from iq36.gate.session import Case
 
     case = Case(bucket=96, prompt_class="filler", length=96, salt="perturb", output_tokens=64)
-    spec = CorrectnessSpec(model_dir=str(tiny_dir), profile="cpu", cases=[case], output_tokens=64)
+    spec = CorrectnessSpec(model_dir=str(tiny_dir), profile=str(reference_cpu_profile(tmp_path)), cases=[case],
+                           output_tokens=64)
     assert run_case(spec, case)["passed"] is True
     bad = run_case(msgspec.structs.replace(spec, perturb=True), case)
     assert bad["passed"] is False

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kernels import grouped_experts, last_token_logits
-from tests.helpers import kernel_greedy
+from tests.helpers import REFERENCE, kernel_greedy
 from worker.reference import stateful_feed
 
 
@@ -25,7 +25,7 @@ def _prefill_logits(model_dir: Path, rewrite: bool, ids: np.ndarray) -> np.ndarr
     model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
     if rewrite:
         grouped_experts.apply(model)
-    request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
     request.infer(stateful_feed(ids, 0, {p.get_any_name() for p in model.inputs}))
     return np.array(request.get_tensor("logits").data[0, -1])
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels import last_token_logits, native, native_gdn
-from tests.helpers import kernel_greedy
+from tests.helpers import REFERENCE, kernel_greedy
 from worker.reference import stateful_feed
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
@@ -63,7 +63,7 @@ def _logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.ndarray:
     if rewrite:
         native_gdn.apply(model)
     names = {p.get_any_name() for p in model.inputs}
-    request = core.compile_model(model, "CPU").create_infer_request()
+    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
     rng = np.random.default_rng(0)
     rows, pos = [], 0
     for call, n in enumerate(chunks):

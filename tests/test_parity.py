@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import REFERENCE
+
 NEW_TOKENS = 32
 PROMPT = [9707, 11, 1879, 0, 3555, 374, 264, 1273, 315, 279, 8433, 3703, 13, 220, 16, 17, 18]
-F32 = {"INFERENCE_PRECISION_HINT": "f32"}
+F32 = REFERENCE
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 
 import profiles
 from iq36.profile import PrefillSection, Profile, ProfileError, load
-from tests.helpers import final, tokens_of
+from tests.helpers import REFERENCE, final, tokens_of
 from tests.helpers import run_engine as run
 from worker.detok import OutputStream
 from worker.engine import EngineRequest, FinishReason, SamplingParams, StepOutput, create
@@ -235,7 +235,7 @@ def test_restore_reproduces_the_logits_of_an_uninterrupted_run(tiny_f32_dir: Pat
     core = ov.Core()
     model = core.read_model(tiny_f32_dir / "openvino_model.xml")
     names = {p.get_any_name() for p in model.inputs}
-    req = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    req = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
     ids = np.arange(1000, 1040, dtype=np.int64)
 
     def feed(x: np.ndarray, past: int) -> np.ndarray:
