@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 from kernels import last_token_logits, native, q16_decode
-from tests.helpers import kernel_greedy
+from tests.helpers import REFERENCE, kernel_greedy
 from worker.reference import stateful_feed
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
+# Numeric comparisons run the plugin in its reference mode (tests/helpers.py): on an AVX-512 BF16
+# CPU its default rounds to bf16 and int8, which would swamp the differences these tests bound.
+F32 = REFERENCE
 
 
 def _u4(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[object, np.ndarray]:
@@ -215,7 +218,7 @@ def _logits(model_dir: Path, chunks: list[int], model: object = None, **rewrite:
     if rewrite:
         q16_decode.apply(model, **rewrite)
     names = {p.get_any_name() for p in model.inputs}
-    request = core.compile_model(model, "CPU").create_infer_request()
+    request = core.compile_model(model, "CPU", F32).create_infer_request()
     rng = np.random.default_rng(0)
     rows, pos = [], 0
     for call, n in enumerate(chunks):
@@ -262,12 +265,12 @@ def test_rows_are_split_between_the_plugin_and_the_op() -> None:
     # both paths side by side (the constants feed the plugin's pattern too, so they stay u4 as
     # in the rewritten graph: fed only to an extension op the plugin would widen them to u8)
     both = core.compile_model(ov.Model([native.factory().create("Q16Linear", [p, wc, zc, s]),
-                                        op.matmul(p, weight, False, True)], [p]), "CPU").create_infer_request()
+                                        op.matmul(p, weight, False, True)], [p]), "CPU", F32).create_infer_request()
     x_in = op.parameter([-1, 512], np.float32, name="x")
     model = ov.Model([op.matmul(x_in, weight, False, True)], [x_in])
     q16_decode.apply(model, min_bytes=0)
     assert [o.get_type_name() for o in model.get_ordered_ops()].count("Q16Linear") == 1
-    split = core.compile_model(model, "CPU").create_infer_request()
+    split = core.compile_model(model, "CPU", F32).create_infer_request()
     for rows in (1, q16_decode.MAX_ROWS, q16_decode.MAX_ROWS + 1, 40):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
         got = np.array(split.infer({"x": x})[0])
@@ -339,16 +342,16 @@ def test_a_model_without_compressed_matmuls_is_refused() -> None:
 # -- the decode graph (worker/engine/candidate.py: DECODE_GRAPH) ---------------------------------
 
 def _cpu_engine(model_dir: Path, decode_graph: bool, kv_f32: bool = False, **prefill: Any) -> Any:
-    """The candidate on the `cpu` profile's kernels with `decode_graph` set; 64-token chunks
-    (and `prefill` overrides, e.g. a long-context profile); `kv_f32`: an f32 KV cache instead of
-    the plugin's default (u8 on this CPU)."""
+    """The candidate on the `cpu` profile's kernels with `decode_graph` set, the plugin in f32;
+    64-token chunks (and `prefill` overrides, e.g. a long-context profile); `kv_f32`: an f32 KV
+    cache instead of the plugin's default (u8 on the CPUs we run on)."""
     import msgspec
 
     from iq36.profile import PrefillSection, load
     from worker.engine import create
 
     profile = load("cpu")
-    properties = {**profile.engine.properties, **({"KV_CACHE_PRECISION": "f32"} if kv_f32 else {})}
+    properties = {**profile.engine.properties, **F32, **({"KV_CACHE_PRECISION": "f32"} if kv_f32 else {})}
     profile = msgspec.structs.replace(profile, prefill=PrefillSection(**{"chunk_tokens": 64, **prefill}),
                                       engine=msgspec.structs.replace(profile.engine, properties=properties),
                                       kernels={**profile.kernels, "decode_graph": decode_graph})
@@ -383,6 +386,35 @@ def test_decode_graph_gives_the_split_graphs_logits(tiny_dir: Path) -> None:
     want = _forced(_cpu_engine(tiny_dir, False), prompt, forced)
     assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_decode_graph_runs_static_shapes(tiny_dir: Path) -> None:
+    """The decode graph is pinned to one token (`q16_decode.pin_one_token`): every extension op,
+    norm, projection and attention output has a static shape, and so has every state variable
+    but for the KV caches' length; only mask and position plumbing stays dynamic. The
+    decode graph's logits being the split graph's bit for bit (above) covers what the pinning
+    must not change, the linear-attention states carried from step to step included."""
+    import openvino as ov
+
+    from iq36.profile import load
+    from worker.engine.candidate import specialised_model
+
+    _, _, decode = specialised_model(ov.Core(), tiny_dir, load("cpu"))
+
+    def dynamic(node: Any) -> bool:
+        return any(node.get_output_partial_shape(i).is_dynamic for i in range(node.get_output_size()))
+
+    kinds = {"Q16Linear", "U4Experts", "GatedDeltaRule", "ScaledDotProductAttention", "MatMul"}
+    ops = [n for n in decode.get_ordered_ops() if n.get_type_name() in kinds]
+    assert {n.get_type_name() for n in ops} >= {"Q16Linear", "U4Experts", "GatedDeltaRule", "ScaledDotProductAttention"}
+    # the one MatMul left dynamic is the rotary tables' position product (before their pin)
+    assert [n.get_friendly_name() for n in ops if dynamic(n) and "rotary" not in n.get_friendly_name()] == []
+    for variable in decode.get_variables():
+        dims = list(variable.info.data_shape)
+        assert dims[0].is_static and dims[0].get_length() == 1, variable.info.variable_id
+        assert sum(d.is_dynamic for d in dims) == (1 if ".key." in variable.info.variable_id
+                                                   or ".value." in variable.info.variable_id else 0)
+    assert sum(map(dynamic, decode.get_ordered_ops())) < len(decode.get_ops()) // 10
 
 
 def test_long_contexts_decode_on_the_main_model(tiny_dir: Path) -> None:
