@@ -58,16 +58,29 @@ def _libraries(ov: Path) -> list[str]:
     return found
 
 
-def cpu_supported() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo); empty where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return all(f in flags for f in CPU_FLAGS)
-    return False
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_supported() -> bool:
+    return all(f in cpu_flags() for f in CPU_FLAGS)
+
+
+# What the ops' bf16 paths need (`U4Experts`' `bf16` tiles); they fall back to f32 without.
+BF16_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+def bf16_supported() -> bool:
+    return all(f in cpu_flags() for f in BF16_CPU_FLAGS)
 
 
 def require_cpu(kernel: str, error: type[Exception]) -> None:

@@ -9,6 +9,12 @@ f32 in memory before a MatMul. The op reads the block's own constants: no copy o
 Decode (one row) never reaches it.
 
 CPU only; mutually exclusive with `phase_experts` (the engine refuses both).
+
+`bf16_tiles` (switch `experts_bf16`): where the CPU plugin runs the model in bf16 (its default on
+an AVX512-BF16 CPU) and the CPU has AVX512-BF16, the op's tiles take bf16 dot products
+(kernels/native/u4_experts_bf16.hpp): (q - z) exact in bf16, the group's scale on the group's
+f32 sum, the activations rounded to bf16 as the plugin's own bf16 nodes round theirs (the
+block's input already is bf16 there). Decode rows (one or two per expert) keep their paths.
 """
 
 from __future__ import annotations
@@ -30,3 +36,23 @@ def apply(model: Any, rows: bool | str = True) -> Any:
 def apply_all(model: Any) -> Any:
     """`apply(model, rows="all")`."""
     return apply(model, rows="all")
+
+
+def bf16_tiles(model: Any) -> int:
+    """Set the `bf16` attribute on every `U4Experts` op of `model` (in place); returns how many.
+    Only for a model compiled with bf16 inference precision (its activations are bf16 values):
+    the engine decides (worker/engine/candidate.py)."""
+    from kernels import native
+
+    done = 0
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "U4Experts":
+            continue
+        attrs = {**node.get_attributes(), "bf16": True}
+        new = native.factory().create("U4Experts", [node.input_value(i) for i in range(node.get_input_size())], attrs)
+        new.set_friendly_name(node.get_friendly_name())
+        for target in list(node.output(0).get_target_inputs()):
+            target.replace_source_output(new.output(0))
+        done += 1
+    model.validate_nodes_and_infer_types()
+    return done

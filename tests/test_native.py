@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels import last_token_logits, lm_head_u8, native
-from tests.helpers import kernel_greedy
+from tests.helpers import REFERENCE, kernel_greedy
 from worker.reference import stateful_feed
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
@@ -112,12 +112,22 @@ def test_u4_experts_walks_every_tile_and_tail(skip: int, nibbles: bool) -> None:
                       nibbles=nibbles)
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """`a` rounded to the nearest bf16 (ties to even), as float64."""
+    bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
 def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scale_type: type, experts: int,
                       hidden: int, width: int, groups: tuple[int, int], q16_rows: int = 0,
-                      tol: float = 1e-5, nibbles: bool = False) -> np.ndarray:
+                      tol: float = 1e-5, nibbles: bool = False, bf16: bool = False,
+                      round_act: bool | None = None) -> np.ndarray:
     """Runs the op (with the `q16_rows` attribute; with `nibbles`, on the weights' packed bytes
     typed u8, as q16_decode hands them over) against float64 within `tol` of the scale; returns
-    its output."""
+    its output. `bf16`: the `bf16` attribute, with inputs that are bf16 values (as the plugin's
+    bf16 nodes hand them over); the reference rounds the act rows of the experts with more than
+    two rows (the tiled ones) to bf16, as the op does (unless `round_act` is False)."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -126,6 +136,8 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
     up, u = _matrix(rng, experts, width, hidden, groups[0], scale_type)
     down, d = _matrix(rng, experts, hidden, width, groups[1], scale_type)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    if bf16:
+        x = _bf16(x).astype(np.float32)
     weights = rng.random((tokens, k)).astype(np.float32)
     idx_type = idx.dtype.type
 
@@ -138,7 +150,7 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
 
         for m in (gate, up, down):
             m[0] = _as_bytes(m[0].output(0)).get_node()
-    attributes = {"q16_rows": q16_rows, "nibbles": nibbles}
+    attributes = {"q16_rows": q16_rows, "nibbles": nibbles, "bf16": bf16}
     node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down], attributes)
     core = ov.Core()
     request = core.compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()
@@ -146,15 +158,61 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
 
     expected = np.zeros((tokens, hidden))
     xd = x.astype(np.float64)
+    tiled = np.bincount(idx[skip:].ravel(), minlength=experts) > 2
     for t in range(skip, tokens):
         for j in range(k):
             e = int(idx[t, j])
             a, b = g[e] @ xd[t], u[e] @ xd[t]
-            expected[t] += weights[t, j] * (d[e] @ (a / (1 + np.exp(-a)) * b))
+            act = a / (1 + np.exp(-a)) * b
+            rounded = (bf16 if round_act is None else round_act) and tiled[e]
+            expected[t] += weights[t, j] * (d[e] @ (_bf16(act) if rounded else act))
     assert got.shape == (tokens, hidden)
     assert not got[:skip].any()
     assert np.abs(got - expected).max() <= tol * max(1.0, float(np.abs(expected).max()))
     return got
+
+
+@pytest.mark.skipif(not native.bf16_supported(), reason=f"needs a CPU with {', '.join(native.BF16_CPU_FLAGS)}")
+@pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
+def test_u4_experts_bf16_tiles(nibbles: bool) -> None:
+    """The `bf16` tiles: (q - z) exact in bf16, the group scale on the group's f32 sum, so the
+    result is the float64 block with the tiled experts' act rows rounded to bf16 (measured
+    ~1.5e-6 of the scale, against ~1.7e-3 without that rounding in the reference); the shapes
+    of `test_u4_experts_walks_every_tile_and_tail` (remainders in every loop), and the one-
+    and two-row experts on their f32 paths."""
+    rng = np.random.default_rng(7)
+    tokens, k, experts = 40, 3, 6
+    idx = np.stack([rng.permutation(experts - 1)[:k] for _ in range(tokens)]).astype(np.int32)
+    idx[:37, 0] = 0
+    idx[:37, 1:] = np.where(idx[:37, 1:] == 0, 4, idx[:37, 1:])
+    idx[37:, :] = [1, 2, 3]
+    idx[39, 2] = 5  # a one-row expert
+    _check_u4_experts(rng, idx, 1, np.float16, experts=experts, hidden=612, width=100, groups=(36, 20),
+                      nibbles=nibbles, bf16=True)
+    with pytest.raises(AssertionError):  # the bf16 path really ran: without the act rounding it is 1e-3 off
+        _check_u4_experts(np.random.default_rng(7), idx, 1, np.float16, experts=experts, hidden=612, width=100,
+                          groups=(36, 20), nibbles=nibbles, bf16=True, round_act=False)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_experts_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precision: str) -> None:
+    """`experts_bf16` marks the U4Experts ops only for a model the plugin runs in bf16, on a CPU
+    with AVX512-BF16; otherwise the engine does not report it and the ops keep f32 tiles."""
+    import msgspec
+    import openvino as ov
+
+    from iq36.profile import load
+    from worker.engine.candidate import specialised_model
+
+    profile = load("cpu")
+    properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision}
+    profile = msgspec.structs.replace(profile, engine=msgspec.structs.replace(profile.engine, properties=properties),
+                                      kernels={**profile.kernels, "experts_bf16": True})
+    model, applied, _ = specialised_model(ov.Core(), tiny_dir, profile)
+    marked = [n.get_attributes()["bf16"] for n in model.get_ops() if n.get_type_name() == "U4Experts"]
+    want = precision == "bf16" and native.bf16_supported()
+    assert marked and all(m == want for m in marked)
+    assert ("experts_bf16" in applied) == want
 
 
 def test_u4_experts_rejects_out_of_range_experts() -> None:
@@ -187,7 +245,7 @@ def _head_logits(model_dir: Path, rewrite: bool) -> np.ndarray:
     if rewrite:
         lm_head_u8.apply(model)
         assert any(op.get_type_name() == "U8Linear" for op in model.get_ops())
-    request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
     names = {p.get_any_name() for p in model.inputs}
     rows = []
     request.infer(stateful_feed(np.arange(100, 180, dtype=np.int64), 0, names))
@@ -230,7 +288,7 @@ def _experts_logits(model_dir: Path, rewrite: bool | str, chunks: list[int]) -> 
     if rewrite:
         (native_experts.apply_all if rewrite == "all" else native_experts.apply)(model)
         assert sum(op.get_type_name() == "U4Experts" for op in model.get_ops()) >= 1
-    request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
     names = {p.get_any_name() for p in model.inputs}
     prompt = np.random.default_rng(sum(chunks)).integers(1000, 150000, sum(chunks))
     out, past = [], 0

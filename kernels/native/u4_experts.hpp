@@ -303,6 +303,11 @@ constexpr size_t kGateRows = IQ36_GATE_ROWS;  // rows of gate and of up per stag
 constexpr size_t kDownRows = IQ36_DOWN_ROWS;  // rows of down (output columns) per stage-2 task
 
 }  // namespace experts
+}  // namespace iq36
+
+#include "u4_experts_bf16.hpp"
+
+namespace iq36 {
 
 class U4Experts final : public ov::op::Op {
 public:
@@ -310,7 +315,8 @@ public:
 
     U4Experts() = default;
     explicit U4Experts(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
-    U4Experts(const ov::OutputVector& args, int64_t q16_rows, bool nibbles) : Op(args), m_q16_rows(q16_rows), m_nibbles(nibbles) {
+    U4Experts(const ov::OutputVector& args, int64_t q16_rows, bool nibbles, bool bf16)
+        : Op(args), m_q16_rows(q16_rows), m_nibbles(nibbles), m_bf16(bf16) {
         constructor_validate_and_infer_types();
     }
 
@@ -352,7 +358,7 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<U4Experts>(args, m_q16_rows, m_nibbles);
+        return std::make_shared<U4Experts>(args, m_q16_rows, m_nibbles, m_bf16);
     }
 
     // q16_rows: when the op has at most this many rows (decode), experts with one or two rows
@@ -362,9 +368,13 @@ public:
     // byte, the first in the low nibble). The CPU plugin widens a u4 constant that feeds none of
     // its own decompression patterns to u8 (twice the bytes to read in decode); the same bytes
     // typed u8 reach the op as they are.
+    // bf16: the tiles (experts with more than kDirect rows) take bf16 dot products
+    // (u4_experts_bf16.hpp) where the CPU has AVX512-BF16, else the f32 tiles: for a model the
+    // plugin runs in bf16, whose activations are bf16 values already.
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("q16_rows", m_q16_rows);
         visitor.on_attribute("nibbles", m_nibbles);
+        visitor.on_attribute("bf16", m_bf16);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -448,14 +458,23 @@ public:
         }
         std::vector<float> act(aoff[E]);
         const size_t ldmax = *std::max_element(ld.begin(), ld.end());
+        // bf16 tiles: the act columns of the tiled experts also as input pairs for down
+        const bool bf = m_bf16 && bf16::supported() && H % 2 == 0 && I % 2 == 0 && gate.group % 2 == 0 && down.group % 2 == 0 &&
+                        kGateRows % 2 == 0;
+        std::vector<uint32_t> act2(bf ? aoff[E] / 2 : 0);
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
         const size_t tiles = (I + kGateRows - 1) / kGateRows;
         tbb::parallel_for(tbb::blocked_range<size_t>(0, present.size() * tiles), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> tile, xT, g, u, zero;
+            thread_local std::vector<float> tile, xT, g, u, zero, scales;
+            thread_local std::vector<uint16_t> tile16, xb;
             thread_local std::vector<const float*> rows;
             tile.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
             zero.assign(H, 0.0f);
+            if (bf) {
+                tile16.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
+                scales.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
+            }
             for (size_t task = r.begin(); task != r.end(); ++task) {
                 const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
                 const size_t b = start[e], m = start[e + 1] - b;
@@ -483,15 +502,30 @@ public:
                     continue;
                 }
                 const size_t n = ld[e];
-                xT.resize(H * n);
-                transpose_rows(rows.data(), m, zero.data(), H, xT.data(), n);
                 g.resize(kGateRows * n);
                 u.resize(kGateRows * n);
-                products(gate, e, r0, nr, xT.data(), n, n / 8, tile.data(), g.data(), n);
-                products(up, e, r0, nr, xT.data(), n, n / 8, tile.data(), u.data(), n);
+                if (bf) {  // the rows as bf16; a row's input pairs are 32-bit words, transposed like f32
+                    xb.resize(m * H);
+                    for (size_t i = 0; i < m; ++i) {
+                        bf16::round_row(rows[i], H, xb.data() + i * H);
+                        rows[i] = reinterpret_cast<const float*>(xb.data() + i * H);
+                    }
+                    xT.resize(H / 2 * n);
+                    transpose_rows(rows.data(), m, zero.data(), H / 2, xT.data(), n);
+                    const auto* xp = reinterpret_cast<const uint32_t*>(xT.data());
+                    bf16::products(gate, e, r0, nr, xp, n, n / 8, tile16.data(), scales.data(), g.data(), n);
+                    bf16::products(up, e, r0, nr, xp, n, n / 8, tile16.data(), scales.data(), u.data(), n);
+                } else {
+                    xT.resize(H * n);
+                    transpose_rows(rows.data(), m, zero.data(), H, xT.data(), n);
+                    products(gate, e, r0, nr, xT.data(), n, n / 8, tile.data(), g.data(), n);
+                    products(up, e, r0, nr, xT.data(), n, n / 8, tile.data(), u.data(), n);
+                }
                 for (size_t c = 0; c < nr; ++c)
                     for (size_t t = 0; t < n; ++t)  // padded columns: silu(0) * 0 = 0
                         a[(r0 + c) * n + t] = silu(g[c * n + t]) * u[c * n + t];
+                if (bf)  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even)
+                    bf16::pair_columns(a + r0 * n, nr, n, act2.data() + (aoff[e] + r0 * n) / 2);
             }
         });
 
@@ -503,8 +537,13 @@ public:
 
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> tile, out;
+            thread_local std::vector<float> tile, out, scales;
+            thread_local std::vector<uint16_t> tile16;
             tile.resize(kDownRows * slice_of(down));
+            if (bf) {
+                tile16.resize(kDownRows * slice_of(down));
+                scales.resize(kDownRows * slice_of(down));
+            }
             out.resize(kDownRows * std::max(ldmax, kDirect));
             for (size_t task = r.begin(); task != r.end(); ++task) {
                 const size_t c0 = task * kDownRows, nc = std::min(kDownRows, H - c0);
@@ -526,7 +565,10 @@ public:
                         continue;
                     }
                     const size_t n = ld[e];
-                    products(down, e, c0, nc, a, n, n / 8, tile.data(), out.data(), n);
+                    if (bf)
+                        bf16::products(down, e, c0, nc, act2.data() + aoff[e] / 2, n, n / 8, tile16.data(), scales.data(), out.data(), n);
+                    else
+                        products(down, e, c0, nc, a, n, n / 8, tile.data(), out.data(), n);
                     for (size_t i = 0; i < m; ++i) {
                         float* dst = y + token[b + i] * H + c0;
                         const float w = route[b + i];
@@ -544,6 +586,7 @@ private:
 
     int64_t m_q16_rows = 0;
     bool m_nibbles = false;
+    bool m_bf16 = false;
 };
 
 }  // namespace iq36

@@ -129,6 +129,12 @@ _EXCLUSIVE = ({"phase_experts", "native_experts"},)
 # whole hidden-state path, no per-call shape inference (AVX-512 EPYC: decode +16-19%).
 DECODE_GRAPH = "decode_graph"
 
+# The routed experts' prefill tiles on bf16 dot products (kernels/native_experts.py: bf16_tiles):
+# applied after the rewrites when `native_experts` is on, the plugin runs the model in bf16 (its
+# default on an AVX512-BF16 CPU, unless the profile sets INFERENCE_PRECISION_HINT) and the CPU has
+# AVX512-BF16; elsewhere the switch does nothing and the engine does not report it.
+EXPERTS_BF16 = "experts_bf16"
+
 # Rewrites that pay off only for chunks of many tokens: applied to a second compiled model used
 # for prefill chunks (> 1 token), while single tokens (decode) run the main one. The model state
 # moves between the two when the phase changes (a copy of every state variable). Off by default:
@@ -165,7 +171,22 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
             applied.append(name)
     if decode is not None:
         applied.append(DECODE_GRAPH)
+    if profile.kernels.get(EXPERTS_BF16, False) and "native_experts" in applied and _plugin_bf16(core, profile):
+        from kernels import native, native_experts
+
+        if native.bf16_supported() and native_experts.bf16_tiles(model):
+            applied.append(EXPERTS_BF16)
     return model, applied, decode
+
+
+def _plugin_bf16(core: Any, profile: Profile) -> bool:
+    """Whether the plugin will run the model in bf16: the profile's INFERENCE_PRECISION_HINT, else
+    the device's default."""
+    hint = profile.engine.properties.get("INFERENCE_PRECISION_HINT")
+    if hint is None:
+        hint = core.get_property(profile.engine.device, "INFERENCE_PRECISION_HINT")
+    name = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+    return name.lower() in ("bf16", "bfloat16")
 
 
 class _Running:

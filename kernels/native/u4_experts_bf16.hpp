@@ -1,0 +1,198 @@
+// U4Experts' tile products on bf16 dot products (AVX512-BF16 `vdpbf16ps`), for a compiled model
+// whose CPU plugin runs in bf16 (the `bf16` attribute; kernels/native_experts.py).
+//
+// What changes against the f32 tiles (u4_experts.hpp): a tile holds (q - z) as bf16 -- small
+// integers, exact -- and the group's scale is applied to each group's sum, so every weight
+// product is exact in f32 and the sums are f32 as before. The activations are rounded to bf16:
+// the block's input is the output of the plugin's own bf16 nodes (exact already), the act
+// columns between gate/up and down are rounded once, as the plugin's own bf16 kernels round
+// every activation. One `vdpbf16ps` takes two inputs of 8 tokens: twice the multiply-adds of
+// an f32 FMA per instruction.
+//
+// Layout: the token columns of a pair of inputs (k, k + 1) are one 32-bit lane per token
+// (bf16(x[t][k]) low, bf16(x[t][k + 1]) high); a weight pair is broadcast to every lane.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+// Included by u4_experts.hpp after its `experts` helpers (Packed, value, slice_of).
+
+#define IQ36_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+namespace iq36 {
+namespace experts {
+namespace bf16 {
+
+inline bool supported() {
+    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    return yes;
+}
+
+// Rows [r0, r0 + n) of expert e, inputs [k0, k0 + kn) (whole groups): (q - z) as bf16 into w
+// (n x kn) and the scales into s (n x kn / group).
+IQ36_BF16 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, uint16_t* w, float* s) {
+    const __m128i low = _mm_set1_epi16(0x000F);
+    const size_t g0 = k0 / m.group, g1 = (k0 + kn) / m.group, gn = g1 - g0;
+    for (size_t r = 0; r < n; ++r) {
+        const size_t row = e * m.out + r0 + r;
+        uint16_t* out = w + r * kn;
+        for (size_t g = g0; g < g1; ++g) {
+            const size_t gi = row * m.groups + g;
+            s[r * gn + g - g0] = m.scale(gi);
+            const int z = value(m.z, gi, m.z4);
+            const __m512i zv = _mm512_set1_epi32(z);
+            uint16_t* o = out + (g - g0) * m.group;
+            size_t j = 0;
+            if (m.w4) {
+                const uint8_t* src = m.w + (gi * m.group >> 1);
+                for (; j + 16 <= m.group; j += 16) {
+                    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j / 2)));
+                    const __m128i v = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
+                    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v), zv));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f)));
+                }
+            } else {
+                const uint8_t* src = m.w + gi * m.group;
+                for (; j + 16 <= m.group; j += 16) {
+                    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
+                    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b), zv));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f)));
+                }
+            }
+            for (; j < m.group; ++j) {
+                const float f = static_cast<float>(static_cast<int>(value(m.w, gi * m.group + j, m.w4)) - z);
+                uint32_t bits;
+                std::memcpy(&bits, &f, 4);
+                o[j] = static_cast<uint16_t>(bits >> 16);  // a small integer: exact
+            }
+        }
+    }
+}
+
+// o[c][v * 8 ..] (+)= sum over groups of s[c][g] * sum_{k in g} w[c][k] * x[k][v * 8 ..], for C
+// weight rows (ldw apart) and V vectors of 8 tokens; xp holds input pairs (ldx lanes apart).
+// Per group its own accumulators (the scale applies to the group's sum): 2 C V + V + 1 of the
+// 32 registers AVX-512 gives.
+template <int C, int V>
+IQ36_BF16 inline void kernel(const uint16_t* w, size_t ldw, const float* s, size_t lds, size_t group, const uint32_t* xp,
+                             size_t ldx, size_t kn, float* o, size_t ldo, bool add) {
+    __m256 acc[C][V];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+            acc[c][v] = _mm256_setzero_ps();
+    for (size_t g0 = 0; g0 < kn; g0 += group) {
+        __m256 ga[C][V];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v)
+                ga[c][v] = _mm256_setzero_ps();
+        for (size_t k = g0; k < g0 + group; k += 2) {
+            __m256bh xv[V];
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v)
+                xv[v] = reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + (k / 2) * ldx + v * 8)));
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                int32_t pair;
+                std::memcpy(&pair, w + c * ldw + k, 4);
+                const __m256bh wb = reinterpret_cast<__m256bh>(_mm256_set1_epi32(pair));
+#pragma GCC unroll 8
+                for (int v = 0; v < V; ++v)
+                    ga[c][v] = _mm256_dpbf16_ps(ga[c][v], wb, xv[v]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const __m256 sc = _mm256_set1_ps(s[c * lds + g0 / group]);
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v)
+                acc[c][v] = _mm256_fmadd_ps(ga[c][v], sc, acc[c][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) {
+            float* dst = o + c * ldo + v * 8;
+            _mm256_storeu_ps(dst, add ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[c][v]) : acc[c][v]);
+        }
+}
+
+template <int C, int V>
+IQ36_BF16 inline void run(const uint16_t* w, const float* s, size_t gn, size_t group, size_t n, size_t kn, const uint32_t* xp,
+                          size_t ldx, float* o, size_t ldo, bool add) {
+    size_t c = 0;
+    for (; c + C <= n; c += C)
+        kernel<C, V>(w + c * kn, kn, s + c * gn, gn, group, xp, ldx, kn, o + c * ldo, ldo, add);
+    for (; c < n; ++c)
+        kernel<1, V>(w + c * kn, kn, s + c * gn, gn, group, xp, ldx, kn, o + c * ldo, ldo, add);
+}
+
+// o (n x vecs*8) (+)= the tile (n x kn, scales n x kn / group) . the pairs (kn / 2 x vecs*8).
+IQ36_BF16 inline void gemm(const uint16_t* w, const float* s, size_t group, size_t n, size_t kn, const uint32_t* xp, size_t ldx,
+                           size_t vecs, float* o, size_t ldo, bool add) {
+    const size_t gn = kn / group;
+    for (size_t v = 0; v < vecs;) {
+        const size_t left = vecs - v;
+        if (left == 3) {
+            run<4, 3>(w, s, gn, group, n, kn, xp + v * 8, ldx, o + v * 8, ldo, add);
+            v += 3;
+        } else if (left == 1) {
+            run<6, 1>(w, s, gn, group, n, kn, xp + v * 8, ldx, o + v * 8, ldo, add);
+            v += 1;
+        } else {
+            run<6, 2>(w, s, gn, group, n, kn, xp + v * 8, ldx, o + v * 8, ldo, add);
+            v += 2;
+        }
+    }
+}
+
+// o[c][t] = dot(row r0 + c of expert e, token column t of xp) for c < n, t < vecs * 8.
+IQ36_BF16 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const uint32_t* xp, size_t ldx, size_t vecs,
+                               uint16_t* tile, float* scales, float* o, size_t ldo) {
+    const size_t K = m.in(), ks = slice_of(m);
+    for (size_t k0 = 0; k0 < K; k0 += ks) {
+        const size_t kn = std::min(ks, K - k0);
+        decompress(m, e, r0, n, k0, kn, tile, scales);
+        gemm(tile, scales, m.group, n, kn, xp + (k0 / 2) * ldx, ldx, vecs, o, ldo, k0 > 0);
+    }
+}
+
+// One f32 row as bf16 (round to nearest even), n even.
+IQ36_BF16 inline void round_row(const float* x, size_t n, uint16_t* out) {
+    size_t k = 0;
+    for (; k + 16 <= n; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k))));
+    if (k < n) {
+        const __mmask16 mask = static_cast<__mmask16>((1u << (n - k)) - 1);
+        const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + k)));
+        _mm256_mask_storeu_epi16(out + k, mask, b);
+    }
+}
+
+// Token columns (a: K x ld f32, K even) as input pairs: p[k / 2][t] = bf16(a[k][t]) | bf16(a[k + 1][t]) << 16.
+IQ36_BF16 inline void pair_columns(const float* a, size_t K, size_t ld, uint32_t* p) {
+    for (size_t k = 0; k < K; k += 2) {
+        const float* lo = a + k * ld;
+        const float* hi = lo + ld;
+        uint32_t* dst = p + (k / 2) * ld;
+        for (size_t t = 0; t < ld; t += 8) {
+            const __m128i l = reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(_mm256_loadu_ps(lo + t)));
+            const __m128i h = reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(_mm256_loadu_ps(hi + t)));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t), _mm_unpacklo_epi16(l, h));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t + 4), _mm_unpackhi_epi16(l, h));
+        }
+    }
+}
+
+}  // namespace bf16
+}  // namespace experts
+}  // namespace iq36
