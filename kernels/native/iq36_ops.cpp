@@ -7,16 +7,19 @@
 // The ops: U8Linear (u8_linear.hpp: the int8 LM head's GEMV) and U4Experts (u4_experts.hpp: a
 // MoE block's routed experts for a chunk of tokens, on the u4 weights) and GatedDeltaRule
 // (gated_delta.hpp: a linear-attention layer's recurrence over a chunk of tokens) and Q16Linear
-// (q16_linear.hpp: a compressed-weights matmul for decode rows on int16-rounded activations).
+// (q16_linear.hpp: a compressed-weights matmul for decode rows on int16-rounded activations) and
+// CausalConv1d (causal_conv.hpp: a linear-attention layer's short convolution, token-major).
 
 #include "u8_linear.hpp"
 #include "u4_experts.hpp"
 #include "gated_delta.hpp"
 #include "q16_linear.hpp"
+#include "causal_conv.hpp"
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<iq36::U8Linear>>(),
     std::make_shared<ov::OpExtension<iq36::U4Experts>>(),
     std::make_shared<ov::OpExtension<iq36::GatedDeltaRule>>(),
     std::make_shared<ov::OpExtension<iq36::Q16Linear>>(),
+    std::make_shared<ov::OpExtension<iq36::CausalConv1d>>(),
 }));

@@ -86,6 +86,12 @@ def _native_gdn(model: Any) -> Any:
     return native_gdn.apply(model)
 
 
+def _native_conv(model: Any) -> Any:
+    from kernels import native_conv
+
+    return native_conv.apply(model)
+
+
 def _q16_decode(model: Any) -> Any:
     from kernels import q16_decode
 
@@ -111,6 +117,8 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "native_experts": (_native_experts, False),
     # each linear-attention layer's gated delta rule as the native GatedDeltaRule op (CPU)
     "native_gdn": (_native_gdn, False),
+    # each linear-attention layer's causal depthwise conv as the native CausalConv1d op (CPU)
+    "native_conv": (_native_conv, False),
     # decode rows of the compressed matmuls (dense, LM head, routed experts) on integer products,
     # the activations as two int16 terms (native Q16Linear, CPU); last, after the MoE rewrites
     "q16_decode": (_q16_decode, False),
@@ -144,7 +152,7 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 }
 
 
-_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear"}  # kernels/native ops a rewrite may insert
+_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d"}  # kernels/native ops a rewrite may insert
 
 
 def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str], Any]:

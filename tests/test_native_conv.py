@@ -1,0 +1,83 @@
+"""Kernel `native_conv`: the linear-attention layers' causal conv as the native `CausalConv1d`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import last_token_logits, native, native_conv
+from tests.helpers import REFERENCE, kernel_greedy
+from worker.reference import stateful_feed
+
+pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
+
+
+@pytest.mark.parametrize(("batch", "tokens", "channels", "kept", "taps"),
+                         [(1, 1, 64, 4, 4), (1, 3, 64, 4, 4), (1, 37, 70, 4, 4), (2, 5, 16, 3, 4), (1, 9, 24, 6, 2)])
+def test_causal_conv_is_the_exported_convolution(batch: int, tokens: int, channels: int, kept: int, taps: int) -> None:
+    """y[t] = sum_j w[j] z[S - K + 1 + t + j] over z = concat(state, x^T), the last S columns of z
+    as the new state; chunks shorter than the state (the new state mixes old state and x),
+    channels off the vector width, batch 2, a state longer than K - 1."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    rng = np.random.default_rng(tokens * 100 + channels)
+    x = rng.standard_normal((batch, tokens, channels)).astype(np.float32)
+    state = rng.standard_normal((batch, channels, kept)).astype(np.float32)
+    w = rng.standard_normal((channels, taps)).astype(np.float32)
+    px = op.parameter(list(x.shape), np.float32, name="x")
+    ps = op.parameter(list(state.shape), np.float32, name="state")
+    node = native.factory().create("CausalConv1d", [px, ps, op.constant(w)])
+    request = ov.Core().compile_model(ov.Model(node.outputs(), [px, ps]), "CPU").create_infer_request()
+    got = request.infer({"x": x, "state": state})
+    z = np.concatenate([state, x.transpose(0, 2, 1)], axis=2).astype(np.float64)  # [B, C, S + T]
+    want = np.stack([(z[:, :, kept - taps + 1 + t: kept + 1 + t] * w).sum(-1) for t in range(tokens)], axis=1)
+    assert np.abs(np.array(got[0]) - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+    assert np.array_equal(np.array(got[1]), z[:, :, -kept:].astype(np.float32))
+
+
+def _logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.ndarray:
+    import openvino as ov
+
+    core = ov.Core()
+    native.register(core)
+    model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
+    if rewrite:
+        native_conv.apply(model)
+        assert sum(n.get_type_name() == "CausalConv1d" for n in model.get_ops()) == 3  # dev-tiny's three
+    names = {p.get_any_name() for p in model.inputs}
+    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
+    rng = np.random.default_rng(0)
+    rows, pos = [], 0
+    for call, n in enumerate(chunks):
+        request.infer(stateful_feed(rng.integers(10, 1000, n), pos, names, call))
+        pos += n
+        rows.append(np.array(request.get_tensor("logits").data[0, -1], np.float64))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("chunks", [[1], [3, 1, 1], [64, 1, 1, 1], [5, 100, 2]],
+                         ids=["1", "3+decode", "64+decode", "5+100+2"])
+def test_native_conv_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
+    """The state carried across chunks shorter and longer than it; measured bit for bit equal
+    (the same K products summed in the same order)."""
+    plain, rewritten = _logits(tiny_dir, False, chunks), _logits(tiny_dir, True, chunks)
+    assert np.abs(plain - rewritten).max() <= 1e-6 * np.abs(plain).max()
+
+
+def test_native_conv_keeps_greedy_generation(tiny_dir: Path) -> None:
+    prompt = tuple(range(1000, 1100))
+    tokens, kernels = kernel_greedy(tiny_dir, "native_conv", True, prompt, 24)
+    assert "native_conv" in kernels
+    assert tokens == kernel_greedy(tiny_dir, "native_conv", False, prompt, 24)[0]
+
+
+def test_a_model_without_the_pattern_is_refused() -> None:
+    import openvino as ov
+    from openvino import opset15 as op
+
+    p = op.parameter([1, 4], np.float32)
+    with pytest.raises(native_conv.RewriteError, match="no causal convolution"):
+        native_conv.apply(ov.Model([op.relu(p)], [p]))
