@@ -50,6 +50,16 @@ IQ36_BF16 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n,
             size_t j = 0;
             if (m.w4) {
                 const uint8_t* src = m.w + (gi * m.group >> 1);
+                // 32 weights per step: the nibbles as words index a table of bf16(q - z), q < 16
+                const __m512i table = _mm512_zextsi256_si512(reinterpret_cast<__m256i>(
+                    _mm512_cvtneps_pbh(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), zv)))));
+                const __m128i nib = _mm_set1_epi8(0x0F);
+                for (; j + 32 <= m.group; j += 32) {
+                    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j / 2));
+                    const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+                    const __m256i q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+                    _mm512_storeu_si512(o + j, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table));
+                }
                 for (; j + 16 <= m.group; j += 16) {
                     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j / 2)));
                     const __m128i v = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
