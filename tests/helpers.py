@@ -34,6 +34,31 @@ MAX_STEPS = 10_000  # a runaway loop fails the test instead of hanging it
 REFERENCE = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 
 
+def chunk_logits(model_dir: Path, chunks: list[int], rewrite: Any = None) -> Any:
+    """Last-position logits (float64) after each chunk of random ids fed to `model_dir`'s IR with
+    `last_token_logits`, then `rewrite(model)` if given, in the plugin's reference mode."""
+    import numpy as np
+    import openvino as ov
+
+    from kernels import last_token_logits, native
+    from worker.reference import stateful_feed
+
+    core = ov.Core()
+    native.register(core)
+    model = last_token_logits.apply(core.read_model(Path(model_dir) / "openvino_model.xml"))
+    if rewrite is not None:
+        rewrite(model)
+    names = {p.get_any_name() for p in model.inputs}
+    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
+    rng = np.random.default_rng(0)
+    rows, pos = [], 0
+    for call, n in enumerate(chunks):
+        request.infer(stateful_feed(rng.integers(10, 1000, n), pos, names, call))
+        pos += n
+        rows.append(np.array(request.get_tensor("logits").data[0, -1], np.float64))
+    return np.stack(rows)
+
+
 def reference_cpu_profile(directory: Path) -> Path:
     """The `cpu` profile (every kernel) with the plugin in reference mode (`REFERENCE`), written
     to `directory`: what the correctness gate sees on every CPU alike. Under the plugin's bf16

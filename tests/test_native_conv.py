@@ -7,9 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import last_token_logits, native, native_conv
-from tests.helpers import REFERENCE, kernel_greedy
-from worker.reference import stateful_feed
+from kernels import native, native_conv
+from tests.helpers import chunk_logits, kernel_greedy
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
 
@@ -38,24 +37,9 @@ def test_causal_conv_is_the_exported_convolution(batch: int, tokens: int, channe
     assert np.array_equal(np.array(got[1]), z[:, :, -kept:].astype(np.float32))
 
 
-def _logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.ndarray:
-    import openvino as ov
-
-    core = ov.Core()
-    native.register(core)
-    model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
-    if rewrite:
-        native_conv.apply(model)
-        assert sum(n.get_type_name() == "CausalConv1d" for n in model.get_ops()) == 3  # dev-tiny's three
-    names = {p.get_any_name() for p in model.inputs}
-    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
-    rng = np.random.default_rng(0)
-    rows, pos = [], 0
-    for call, n in enumerate(chunks):
-        request.infer(stateful_feed(rng.integers(10, 1000, n), pos, names, call))
-        pos += n
-        rows.append(np.array(request.get_tensor("logits").data[0, -1], np.float64))
-    return np.stack(rows)
+def _rewrite(model: object) -> None:
+    native_conv.apply(model)
+    assert sum(n.get_type_name() == "CausalConv1d" for n in model.get_ops()) == 3  # dev-tiny's three
 
 
 @pytest.mark.parametrize("chunks", [[1], [3, 1, 1], [64, 1, 1, 1], [5, 100, 2]],
@@ -63,7 +47,7 @@ def _logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.ndarray:
 def test_native_conv_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
     """The state carried across chunks shorter and longer than it; measured bit for bit equal
     (the same K products summed in the same order)."""
-    plain, rewritten = _logits(tiny_dir, False, chunks), _logits(tiny_dir, True, chunks)
+    plain, rewritten = chunk_logits(tiny_dir, chunks), chunk_logits(tiny_dir, chunks, _rewrite)
     assert np.abs(plain - rewritten).max() <= 1e-6 * np.abs(plain).max()
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import last_token_logits, native, native_gdn
-from tests.helpers import REFERENCE, kernel_greedy
-from worker.reference import stateful_feed
+from kernels import native, native_gdn
+from tests.helpers import chunk_logits, kernel_greedy
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
 
@@ -54,25 +53,6 @@ def test_gated_delta_rule_is_the_loop_body(tokens: int, dk: int, dv: int) -> Non
     assert np.abs(s - want_s).max() <= 1e-5 * max(1.0, float(np.abs(want_s).max()))
 
 
-def _logits(model_dir: Path, rewrite: bool, chunks: list[int]) -> np.ndarray:
-    import openvino as ov
-
-    core = ov.Core()
-    native.register(core)
-    model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
-    if rewrite:
-        native_gdn.apply(model)
-    names = {p.get_any_name() for p in model.inputs}
-    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
-    rng = np.random.default_rng(0)
-    rows, pos = [], 0
-    for call, n in enumerate(chunks):
-        request.infer(stateful_feed(rng.integers(10, 1000, n), pos, names, call))
-        pos += n
-        rows.append(np.array(request.get_tensor("logits").data[0, -1]))
-    return np.stack(rows)
-
-
 def test_every_linear_attention_loop_is_replaced(tiny_dir: Path) -> None:
     import openvino as ov
 
@@ -93,7 +73,7 @@ def test_native_gdn_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
     """Against the plugin's own GatedDeltaNet: ~1e-6 on short chunks; over 100+ tokens the two
     differ by up to ~1.2e-4 of the logits' scale (the op is within 1e-5 of the float64 rule
     above; the plugin's fused node computes the same rule another way)."""
-    plain, rewritten = _logits(tiny_dir, False, chunks), _logits(tiny_dir, True, chunks)
+    plain, rewritten = chunk_logits(tiny_dir, chunks), chunk_logits(tiny_dir, chunks, native_gdn.apply)
     assert np.abs(plain - rewritten).max() <= 3e-4 * max(1.0, float(np.abs(plain).max()))
 
 
