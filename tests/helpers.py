@@ -34,9 +34,10 @@ MAX_STEPS = 10_000  # a runaway loop fails the test instead of hanging it
 REFERENCE = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 
 
-def chunk_logits(model_dir: Path, chunks: list[int], rewrite: Any = None) -> Any:
-    """Last-position logits (float64) after each chunk of random ids fed to `model_dir`'s IR with
-    `last_token_logits`, then `rewrite(model)` if given, in the plugin's reference mode."""
+def chunk_logits(model_dir: Path, chunks: list[int], rewrite: Any = None, model: Any = None) -> Any:
+    """Last-position logits (float64) after each chunk of random ids fed to `model` (default:
+    `model_dir`'s IR with `last_token_logits`), then `rewrite(model)` if given, in the plugin's
+    reference mode."""
     import numpy as np
     import openvino as ov
 
@@ -45,7 +46,8 @@ def chunk_logits(model_dir: Path, chunks: list[int], rewrite: Any = None) -> Any
 
     core = ov.Core()
     native.register(core)
-    model = last_token_logits.apply(core.read_model(Path(model_dir) / "openvino_model.xml"))
+    if model is None:
+        model = last_token_logits.apply(core.read_model(Path(model_dir) / "openvino_model.xml"))
     if rewrite is not None:
         rewrite(model)
     names = {p.get_any_name() for p in model.inputs}

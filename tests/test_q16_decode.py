@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from kernels import last_token_logits, native, q16_decode
-from tests.helpers import REFERENCE, kernel_greedy
-from worker.reference import stateful_feed
+from tests.helpers import REFERENCE, chunk_logits, kernel_greedy
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
 # Numeric comparisons run the plugin in its reference mode (tests/helpers.py): on an AVX-512 BF16
@@ -209,23 +208,7 @@ def test_packed_bytes_share_the_constant_memory() -> None:
 
 def _logits(model_dir: Path, chunks: list[int], model: object = None, **rewrite: object) -> np.ndarray:
     """Last-position logits after each chunk, of the plain graph, a rewrite of it, or `model`."""
-    import openvino as ov
-
-    core = ov.Core()
-    native.register(core)
-    if model is None:
-        model = last_token_logits.apply(core.read_model(model_dir / "openvino_model.xml"))
-    if rewrite:
-        q16_decode.apply(model, **rewrite)
-    names = {p.get_any_name() for p in model.inputs}
-    request = core.compile_model(model, "CPU", F32).create_infer_request()
-    rng = np.random.default_rng(0)
-    rows, pos = [], 0
-    for call, n in enumerate(chunks):
-        request.infer(stateful_feed(rng.integers(10, 1000, n), pos, names, call))
-        pos += n
-        rows.append(np.array(request.get_tensor("logits").data[0, -1], np.float64))
-    return np.stack(rows)
+    return chunk_logits(model_dir, chunks, (lambda m: q16_decode.apply(m, **rewrite)) if rewrite else None, model)
 
 
 def test_every_dense_compressed_matmul_but_the_routers_is_rewritten(tiny_dir: Path) -> None:
