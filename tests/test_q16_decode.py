@@ -12,9 +12,8 @@ from kernels import last_token_logits, native, q16_decode
 from tests.helpers import REFERENCE, chunk_logits, kernel_greedy
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
-# Numeric comparisons run the plugin in its reference mode (tests/helpers.py): on an AVX-512 BF16
-# CPU its default rounds to bf16 and int8, which would swamp the differences these tests bound.
-F32 = REFERENCE
+# Numeric comparisons run the plugin in its reference mode (tests.helpers.REFERENCE): on an AVX-512
+# BF16 CPU its default rounds to bf16 and int8, which would swamp the differences these tests bound.
 
 
 def _u4(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[object, np.ndarray]:
@@ -248,12 +247,13 @@ def test_rows_are_split_between_the_plugin_and_the_op() -> None:
     # both paths side by side (the constants feed the plugin's pattern too, so they stay u4 as
     # in the rewritten graph: fed only to an extension op the plugin would widen them to u8)
     both = core.compile_model(ov.Model([native.factory().create("Q16Linear", [p, wc, zc, s]),
-                                        op.matmul(p, weight, False, True)], [p]), "CPU", F32).create_infer_request()
+                                        op.matmul(p, weight, False, True)], [p]), "CPU", REFERENCE)
+    both = both.create_infer_request()
     x_in = op.parameter([-1, 512], np.float32, name="x")
     model = ov.Model([op.matmul(x_in, weight, False, True)], [x_in])
     q16_decode.apply(model, min_bytes=0)
     assert [o.get_type_name() for o in model.get_ordered_ops()].count("Q16Linear") == 1
-    split = core.compile_model(model, "CPU", F32).create_infer_request()
+    split = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
     for rows in (1, q16_decode.MAX_ROWS, q16_decode.MAX_ROWS + 1, 40):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
         got = np.array(split.infer({"x": x})[0])
@@ -334,7 +334,7 @@ def _cpu_engine(model_dir: Path, decode_graph: bool, kv_f32: bool = False, **pre
     from worker.engine import create
 
     profile = load("cpu")
-    properties = {**profile.engine.properties, **F32, **({"KV_CACHE_PRECISION": "f32"} if kv_f32 else {})}
+    properties = {**profile.engine.properties, **REFERENCE, **({"KV_CACHE_PRECISION": "f32"} if kv_f32 else {})}
     profile = msgspec.structs.replace(profile, prefill=PrefillSection(**{"chunk_tokens": 64, **prefill}),
                                       engine=msgspec.structs.replace(profile.engine, properties=properties),
                                       kernels={**profile.kernels, "decode_graph": decode_graph})

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include <openvino/core/type/float16.hpp>
@@ -168,22 +169,33 @@ inline void run(const float* w, size_t n, size_t kn, const float* xT, size_t ldx
         kernel<1, V>(w + c * kn, kn, xT, ldx, kn, o + c * ldo, ldo, add);
 }
 
-// o (n x vecs*8, ld ldo) (+)= w (n x kn, ld kn) . xT (kn x vecs*8, ld ldx). Token vectors
-// outermost so that their slice of xT stays in L1 while the weight rows stream from L2.
-inline void gemm(const float* w, size_t n, size_t kn, const float* xT, size_t ldx, size_t vecs, float* o, size_t ldo, bool add) {
+// Calls block(C, V, v) (C and V as std::integral_constant) over vecs token vectors in register
+// blocks: C weight rows x V vectors from vector v; 4 x 3 for a run of 3 vectors, 6 x 1 for a last
+// single one, else 6 x 2. Shared by the f32 tiles and the bf16 ones (u4_experts_bf16.hpp).
+template <typename Block>
+inline void token_blocks(size_t vecs, Block&& block) {
+    using std::integral_constant;
     for (size_t v = 0; v < vecs;) {
         const size_t left = vecs - v;
         if (left == 3) {
-            run<4, 3>(w, n, kn, xT + v * 8, ldx, o + v * 8, ldo, add);
+            block(integral_constant<int, 4>{}, integral_constant<int, 3>{}, v);
             v += 3;
         } else if (left == 1) {
-            run<6, 1>(w, n, kn, xT + v * 8, ldx, o + v * 8, ldo, add);
+            block(integral_constant<int, 6>{}, integral_constant<int, 1>{}, v);
             v += 1;
         } else {
-            run<6, 2>(w, n, kn, xT + v * 8, ldx, o + v * 8, ldo, add);
+            block(integral_constant<int, 6>{}, integral_constant<int, 2>{}, v);
             v += 2;
         }
     }
+}
+
+// o (n x vecs*8, ld ldo) (+)= w (n x kn, ld kn) . xT (kn x vecs*8, ld ldx). Token vectors
+// outermost so that their slice of xT stays in L1 while the weight rows stream from L2.
+inline void gemm(const float* w, size_t n, size_t kn, const float* xT, size_t ldx, size_t vecs, float* o, size_t ldo, bool add) {
+    token_blocks(vecs, [&](auto c, auto vs, size_t v) {
+        run<decltype(c)::value, decltype(vs)::value>(w, n, kn, xT + v * 8, ldx, o + v * 8, ldo, add);
+    });
 }
 
 // o[c][t] = dot(row r0 + c of expert e, column t of xT) for c < n, t < vecs * 8; the weights

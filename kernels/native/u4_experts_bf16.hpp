@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
-// Included by u4_experts.hpp after its `experts` helpers (Packed, value, slice_of).
+// Included by u4_experts.hpp after its `experts` helpers (Packed, value, slice_of, token_blocks).
 
 #define IQ36_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -150,19 +150,9 @@ IQ36_BF16 inline void run(const uint16_t* w, const float* s, size_t gn, size_t g
 IQ36_BF16 inline void gemm(const uint16_t* w, const float* s, size_t group, size_t n, size_t kn, const uint32_t* xp, size_t ldx,
                            size_t vecs, float* o, size_t ldo, bool add) {
     const size_t gn = kn / group;
-    for (size_t v = 0; v < vecs;) {
-        const size_t left = vecs - v;
-        if (left == 3) {
-            run<4, 3>(w, s, gn, group, n, kn, xp + v * 8, ldx, o + v * 8, ldo, add);
-            v += 3;
-        } else if (left == 1) {
-            run<6, 1>(w, s, gn, group, n, kn, xp + v * 8, ldx, o + v * 8, ldo, add);
-            v += 1;
-        } else {
-            run<6, 2>(w, s, gn, group, n, kn, xp + v * 8, ldx, o + v * 8, ldo, add);
-            v += 2;
-        }
-    }
+    token_blocks(vecs, [&](auto c, auto vs, size_t v) {
+        run<decltype(c)::value, decltype(vs)::value>(w, s, gn, group, n, kn, xp + v * 8, ldx, o + v * 8, ldo, add);
+    });
 }
 
 // o[c][t] = dot(row r0 + c of expert e, token column t of xp) for c < n, t < vecs * 8.
