@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 SOURCES = sorted((Path(__file__).parent / "native").glob("*.cpp"))
-HEADERS = sorted((Path(__file__).parent / "native").glob("*.hpp"))
+HEADERS = sorted([*(Path(__file__).parent / "native").glob("*.hpp"), *(Path(__file__).parent / "native").glob("*.inc")])
 LIBRARY = "libiq36_ops.so"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fvisibility=hidden",
          "-DNDEBUG"]

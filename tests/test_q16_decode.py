@@ -123,6 +123,48 @@ def test_q16_linear_u4_as_exported(k: int, group: int, scale_type: type) -> None
     assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
 
 
+def vnni_probe() -> None:
+    """Print the digest of Q16Linear's u4 outputs over shapes that take every path of the
+    products (eight- and four-group steps, an odd zero-point nibble, two blocks per group) and
+    an outlier; run in a subprocess by the test below, once per form of the products."""
+    import hashlib
+
+    import openvino as ov
+    from openvino import opset15 as op
+
+    digest = hashlib.sha256()
+    for k, group in ((2048, 128), (1152, 128), (512, 128), (1024, 256)):
+        rng = np.random.default_rng(k + group)
+        inputs, _ = _weights(rng, "u4", 9, k, group, np.float32)
+        w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
+        node = native.factory().create("Q16Linear", [op.parameter([3, k], np.float32), w, *inputs[1:]],
+                                       {"nibbles": True})
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        x[1, 3] = -40.0
+        out = ov.Tensor(ov.Type.f32, [3, 9])
+        assert node.evaluate([out], [ov.Tensor(x), *(c.get_tensor_view() for c in (w, *inputs[1:]))])
+        digest.update(np.ascontiguousarray(out.data).tobytes())
+    print(digest.hexdigest())
+
+
+@pytest.mark.skipif("avx_vnni" not in native.cpu_flags(), reason="needs a CPU with AVX-VNNI")
+def test_q16_linear_vnni_products_are_the_avx2_products_bit_for_bit() -> None:
+    """With AVX-VNNI the u4 products take vpdpbusd / vpdpwssd; the int32 lanes are the AVX2
+    form's, so every output is bit for bit the same (IQ36_NATIVE_VNNI=0 keeps the AVX2 form)."""
+    import os
+    import subprocess
+    import sys
+
+    def digest(vnni: str) -> str:
+        code = "from tests.test_q16_decode import vnni_probe; vnni_probe()"
+        env = {**os.environ, "IQ36_NATIVE_VNNI": vnni}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent.parent)
+        return done.stdout.strip().splitlines()[-1]
+
+    assert digest("1") == digest("0")
+
+
 def test_q16_linear_zero_blocks_and_zero_rows() -> None:
     """A block of zeros (scale 0) contributes nothing, the zero points included; an empty x
     gives an empty y (prefill chunks leave the op no rows)."""

@@ -24,11 +24,13 @@
 // Threads: rows of w in tasks (TBB); each task reads its weight rows once for every row of x.
 #pragma once
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -154,26 +156,6 @@ __attribute__((always_inline)) inline void block_u8(const uint8_t* w, const int1
     lo_sum = b;
 }
 
-// Over one block of 128 u4 inputs (64 packed bytes): 256 * sum w * q + sum w * lo8 in int32 lanes
-// (a lane of sum w * q adds 16 products of at most 15 * 32767: times 256 below 2^31; the int8
-// products add up in int16 lanes, at most 8 * 15 * 127 before they are widened).
-__attribute__((always_inline)) inline __m256i block_u4(const uint8_t* w, const int16_t* q, const int8_t* lo) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
-    __m256i a = zero, c = zero;
-    for (size_t i = 0; i < kBlock; i += 64) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i / 2));
-        const __m256i e = _mm256_and_si256(v, low), o = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        c = _mm256_add_epi16(c, _mm256_maddubs_epi16(e, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i))));
-        c = _mm256_add_epi16(c, _mm256_maddubs_epi16(o, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i + 32))));
-        const int16_t* qi = q + i;
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_unpacklo_epi8(e, zero), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi))));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_unpackhi_epi8(e, zero), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + 16))));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_unpacklo_epi8(o, zero), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + 32))));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_unpackhi_epi8(o, zero), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + 48))));
-    }
-    return _mm256_add_epi32(_mm256_slli_epi32(a, 8), _mm256_madd_epi16(c, ones));
-}
-
 struct Weights {
     const uint8_t* w;
     const uint8_t* z;
@@ -211,70 +193,40 @@ inline float dot_u8(const Weights& W, size_t n, const Row& r) {
     return hsum(acc) - zero_terms;
 }
 
-// The same for u4 weights. The scale products s * sx and the zero points' terms are computed
-// for the whole row first, eight groups at a time (one group per block): the block loop is only
-// the products and one FMA per block, and no serial chain of scalar terms per row remains
-// (which cost as much as the products once they took pmaddubsw; f32 scales and u8 zero points,
-// as the CPU plugin converts f16 and u4 constants, take the same path).
-inline float dot_u4(const Weights& W, size_t n, const Row& r) {
-    const size_t groups = W.K / W.group, per = W.group / kBlock, blocks = W.K / kBlock;
-    const uint8_t* row = W.w + n * W.K / 2;
-    const float* sx = r.sx.data();
-    const float* zq = r.zq.data();
-    alignas(32) float S[kMaxInputs / kBlock];
-    size_t g = 0;
-    __m256 zv = _mm256_setzero_ps();
-    // `count` (8 or 4) zero points from group `at` on, as the low bytes of a vector (u4: `at` even)
-    const auto zero_bytes = [&W](size_t at, size_t count) {
-        uint64_t bytes = 0;
-        if (!W.z4) {
-            std::memcpy(&bytes, W.z + at, count);
-            return _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
-        }
-        std::memcpy(&bytes, W.z + at / 2, count / 2);
-        const __m128i p = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
-        return _mm_and_si128(_mm_unpacklo_epi8(p, _mm_srli_epi16(p, 4)), _mm_set1_epi8(0x0F));
-    };
-    if (per == 1 && !(W.z4 && (n * groups) % 2)) {
-        const size_t first = n * groups;
-        for (; g + 8 <= groups; g += 8) {
-            const __m256 s = W.s16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(W.s) + first + g)))
-                                   : _mm256_loadu_ps(static_cast<const float*>(W.s) + first + g);
-            _mm256_store_ps(S + g, _mm256_mul_ps(s, _mm256_loadu_ps(sx + g)));
-            const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zero_bytes(first + g, 8)));
-            zv = _mm256_fmadd_ps(_mm256_mul_ps(s, z), _mm256_loadu_ps(zq + g), zv);
-        }
-        if (g + 4 <= groups) {  // four more (a 512-input row: the experts' down projections)
-            const __m128 s = W.s16 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(W.s) + first + g)))
-                                   : _mm_loadu_ps(static_cast<const float*>(W.s) + first + g);
-            _mm_store_ps(S + g, _mm_mul_ps(s, _mm_loadu_ps(sx + g)));
-            const __m128 z = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(zero_bytes(first + g, 4)));
-            const __m128 t = _mm_mul_ps(_mm_mul_ps(s, z), _mm_loadu_ps(zq + g));
-            zv = _mm256_add_ps(zv, _mm256_insertf128_ps(_mm256_setzero_ps(), t, 0));
-            g += 4;
-        }
-    }
-    float zero_terms = hsum(zv);
-    for (; g < groups; ++g) {
-        const float s = W.scale(n * groups + g);
-        for (size_t b = g * per; b < (g + 1) * per; ++b)
-            S[b] = s * sx[b];
-        zero_terms += s * static_cast<float>(W.zero(n * groups + g)) * zq[g];
-    }
-    const int16_t* q = r.q.data();
-    const int8_t* lo = r.lo8.data();
-    __m256 acc = _mm256_setzero_ps();
-    for (size_t b = 0; b < blocks; ++b) {
-        // 4 KB ahead in this task's rows: +5-10% on 2 threads from DRAM (docs/perf-log.md)
-        _mm_prefetch(reinterpret_cast<const char*>(row + b * kBlock / 2 + 4096), _MM_HINT_T0);
-        const __m256i part = block_u4(row + b * kBlock / 2, q + b * kBlock, lo + b * kBlock);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part), _mm256_broadcast_ss(S + b), acc);
-    }
-    return hsum(acc) / 256.f - zero_terms;
+// The u4 products, in two forms (q16_u4_dot.inc): AVX2, and AVX-VNNI where the CPU has it (the
+// target's Panther Lake cores do; so do recent AMD ones). `IQ36_NATIVE_VNNI=0` in the environment
+// keeps the AVX2 form (for A/B runs and the bit-identity test).
+namespace plain {
+#define IQ36_Q16_VNNI 0
+#include "q16_u4_dot.inc"
+#undef IQ36_Q16_VNNI
+}  // namespace plain
+
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace vnni {
+#define IQ36_Q16_VNNI 1
+#include "q16_u4_dot.inc"
+#undef IQ36_Q16_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+
+// AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (GCC 12's __builtin_cpu_supports does not know it).
+inline bool use_vnni() {
+    static const bool yes = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 4)))
+            return false;
+        const char* env = std::getenv("IQ36_NATIVE_VNNI");
+        return !(env && std::strcmp(env, "0") == 0);
+    }();
+    return yes;
 }
 
 inline float dot(const Weights& W, size_t n, const Row& r) {
-    return W.w4 ? dot_u4(W, n, r) : dot_u8(W, n, r);
+    if (!W.w4)
+        return dot_u8(W, n, r);
+    return use_vnni() ? vnni::dot_u4(W, n, r) : plain::dot_u4(W, n, r);
 }
 
 }  // namespace q16
