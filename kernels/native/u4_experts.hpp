@@ -460,19 +460,21 @@ public:
         std::vector<q16::Row> xq(use_q16 ? T - skip : 0), aq(use_q16 ? ids.size() : 0);
         for (size_t t = 0; t < xq.size(); ++t)
             q16::quantize(xp + (skip + t) * H, H, gate.group, gate.w4, xq[t]);
-        // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them),
-        // or [m, I] rows for an expert with at most kDirect rows (taken by `direct`).
+        // bf16 tiles: the act columns of the tiled experts also as input pairs for down
+        const bool bf = m_bf16 && bf16::supported() && H % 2 == 0 && I % 2 == 0 && gate.group % 2 == 0 && down.group % 2 == 0 &&
+                        kGateRows % 2 == 0;
+        // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them;
+        // bf16 tiles: to 16, whole zmm vectors), or [m, I] rows for an expert with at most kDirect
+        // rows (taken by `direct`).
+        const size_t pad = bf ? 16 : 8;
         std::vector<size_t> aoff(E + 1, 0), ld(E, 0);
         for (size_t e = 0; e < E; ++e) {
             const size_t m = start[e + 1] - start[e];
-            ld[e] = m > kDirect ? (m + 7) / 8 * 8 : 0;
+            ld[e] = m > kDirect ? (m + pad - 1) / pad * pad : 0;
             aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
         }
         std::vector<float> act(aoff[E]);
         const size_t ldmax = *std::max_element(ld.begin(), ld.end());
-        // bf16 tiles: the act columns of the tiled experts also as input pairs for down
-        const bool bf = m_bf16 && bf16::supported() && H % 2 == 0 && I % 2 == 0 && gate.group % 2 == 0 && down.group % 2 == 0 &&
-                        kGateRows % 2 == 0;
         std::vector<uint32_t> act2(bf ? aoff[E] / 2 : 0);
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
@@ -525,8 +527,8 @@ public:
                     xT.resize(H / 2 * n);
                     transpose_rows(rows.data(), m, zero.data(), H / 2, xT.data(), n);
                     const auto* xp = reinterpret_cast<const uint32_t*>(xT.data());
-                    bf16::products(gate, e, r0, nr, xp, n, n / 8, tile16.data(), scales.data(), g.data(), n);
-                    bf16::products(up, e, r0, nr, xp, n, n / 8, tile16.data(), scales.data(), u.data(), n);
+                    bf16::products(gate, e, r0, nr, xp, n, n / 16, tile16.data(), scales.data(), g.data(), n);
+                    bf16::products(up, e, r0, nr, xp, n, n / 16, tile16.data(), scales.data(), u.data(), n);
                 } else {
                     xT.resize(H * n);
                     transpose_rows(rows.data(), m, zero.data(), H, xT.data(), n);
@@ -578,7 +580,7 @@ public:
                     }
                     const size_t n = ld[e];
                     if (bf)
-                        bf16::products(down, e, c0, nc, act2.data() + aoff[e] / 2, n, n / 8, tile16.data(), scales.data(), out.data(), n);
+                        bf16::products(down, e, c0, nc, act2.data() + aoff[e] / 2, n, n / 16, tile16.data(), scales.data(), out.data(), n);
                     else
                         products(down, e, c0, nc, a, n, n / 8, tile.data(), out.data(), n);
                     for (size_t i = 0; i < m; ++i) {
