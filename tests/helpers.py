@@ -104,6 +104,12 @@ def kernel_greedy(model_dir: Path, kernel: str, enabled: bool, prompt: tuple[int
                   max_tokens: int) -> tuple[list[int], list[str]]:
     """Greedy tokens of the candidate engine (f32 reference mode, 64-token prefill chunks, no
     prefix reuse) with one `[kernels]` switch set; and the kernels the engine reports."""
+    return greedy_with_kernels(model_dir, {kernel: enabled}, prompt, max_tokens)
+
+
+def greedy_with_kernels(model_dir: Path, kernels: dict[str, bool], prompt: tuple[int, ...],
+                        max_tokens: int) -> tuple[list[int], list[str]]:
+    """`kernel_greedy` with several `[kernels]` switches set."""
     import msgspec
 
     from iq36.profile import PrefillSection, load
@@ -111,7 +117,7 @@ def kernel_greedy(model_dir: Path, kernel: str, enabled: bool, prompt: tuple[int
 
     profile = load("cpu-f32")
     profile = msgspec.structs.replace(profile, prefill=PrefillSection(chunk_tokens=64),
-                                      kernels={**profile.kernels, kernel: enabled})
+                                      kernels={**profile.kernels, **kernels})
     engine = create("candidate", model_dir, profile)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

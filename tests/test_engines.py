@@ -394,6 +394,14 @@ def test_create_rejects_an_unknown_kind(tiny_dir: Path, f32_profile: Profile) ->
         create("turbo", tiny_dir, f32_profile)
 
 
+def test_a_misspelt_kernel_is_refused(tiny_dir: Path, f32_profile: Profile) -> None:
+    import msgspec
+
+    profile = msgspec.structs.replace(f32_profile, kernels={**f32_profile.kernels, "nativ_gdn": True})
+    with pytest.raises(ValueError, match=r"unknown kernel nativ_gdn in \[kernels\]; known: .*native_gdn"):
+        create("candidate", tiny_dir, profile)
+
+
 def test_stock_close_joins_its_named_thread(tiny_dir: Path, f32_profile: Profile,
                                             prompt: tuple[int, ...]) -> None:
     from worker.engine.stock import THREAD_NAME

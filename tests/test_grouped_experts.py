@@ -62,3 +62,29 @@ def test_greedy_generation_is_unchanged(tiny_dir: Path) -> None:
     tokens, kernels = kernel_greedy(tiny_dir, "grouped_experts", True, prompt, 48)
     assert "grouped_experts (prefill)" in kernels
     assert tokens == kernel_greedy(tiny_dir, "grouped_experts", False, prompt, 48)[0]
+
+
+def test_grouped_experts_beside_the_decode_graph(tiny_dir: Path) -> None:
+    """The prefill model re-applies the main model's rewrites; the decode graph is not one of
+    them (it used to raise KeyError at start): with q16_decode and decode_graph on, the engine
+    starts and generates the tokens it generates without grouped_experts."""
+    from tests.helpers import greedy_with_kernels
+
+    prompt = tuple(range(1000, 1200))
+    kernels = {"q16_decode": True, "decode_graph": True}
+    tokens, reported = greedy_with_kernels(tiny_dir, {**kernels, "grouped_experts": True}, prompt, 24)
+    assert "grouped_experts (prefill)" in reported and "decode_graph" in reported
+    assert tokens == greedy_with_kernels(tiny_dir, kernels, prompt, 24)[0]
+
+
+def test_grouped_experts_excludes_the_other_experts_rewrites(tiny_dir: Path) -> None:
+    import msgspec
+    import openvino as ov
+
+    from iq36.profile import load
+    from worker.engine.candidate import specialised_model
+
+    profile = load("cpu")
+    profile = msgspec.structs.replace(profile, kernels={**profile.kernels, "grouped_experts": True})
+    with pytest.raises(ValueError, match="grouped_experts and native_experts rewrite the same blocks"):
+        specialised_model(ov.Core(), tiny_dir, profile)

@@ -123,8 +123,8 @@ _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     # the activations as two int16 terms (native Q16Linear, CPU); last, after the MoE rewrites
     "q16_decode": (_q16_decode, False),
 }
-# Kernels that rewrite the same blocks: at most one of each group may be on.
-_EXCLUSIVE = ({"phase_experts", "native_experts"},)
+# Kernels that rewrite the same blocks (the routed experts): at most one of each group may be on.
+_EXCLUSIVE = ({"phase_experts", "native_experts", "grouped_experts"},)
 
 # A second compiled model for single-token steps (decode) of short contexts: the main model
 # with q16_decode's matmuls replaced outright instead of split between the plugin and the op,
@@ -152,6 +152,9 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 }
 
 
+# Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
+KNOWN_KERNELS = frozenset({*_KERNELS, *_PREFILL_KERNELS, DECODE_GRAPH, EXPERTS_BF16})
+
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d"}
 
@@ -159,9 +162,13 @@ _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalCo
 def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str], Any]:
     """The locked IR read by `core` with the profile's rewrites (`_KERNELS`) applied, not yet
     compiled, the names of the rewrites applied, and the decode graph (`DECODE_GRAPH`) or None."""
+    unknown = sorted(set(profile.kernels) - set(KNOWN_KERNELS))
+    if unknown:
+        raise ValueError(f"profile {profile.name}: unknown kernel{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(unknown)} in [kernels]; known: {', '.join(sorted(KNOWN_KERNELS))}")
     model = core.read_model(Path(model_dir) / "openvino_model.xml")
     for group in _EXCLUSIVE:
-        on = sorted(name for name in group if profile.kernels.get(name, _KERNELS[name][1]))
+        on = sorted(name for name in group if profile.kernels.get(name, {**_KERNELS, **_PREFILL_KERNELS}[name][1]))
         if len(on) > 1:
             raise ValueError(f"profile {profile.name}: kernels {' and '.join(on)} rewrite the same blocks; "
                              "turn all but one off in [kernels]")
@@ -262,8 +269,9 @@ class CandidateEngine:
         prefill = [name for name, (_, default) in _PREFILL_KERNELS.items() if profile.kernels.get(name, default)]
         if prefill:
             pmodel = core.read_model(xml)
-            for name in self.kernels:
-                pmodel = _KERNELS[name][0](pmodel)
+            for name in self.kernels:  # the main model's rewrites (the decode graph is not one)
+                if name in _KERNELS:
+                    pmodel = _KERNELS[name][0](pmodel)
             for name in prefill:
                 pmodel = _PREFILL_KERNELS[name][0](pmodel)
                 self.kernels.append(f"{name} (prefill)")
