@@ -17,9 +17,9 @@
 //   S[i, j] += k_t[i] * delta[j]
 //   out_t[j] = sum_i S[i, j] * q_t[i]
 // How: one task per (batch, head); the state stays in that task's cache for the whole chunk and
-// is walked twice per token (decay + kv, then update + out) instead of the loop's five
-// full-tensor ops, each with its own buffers and threading. Sums run over i in order, vectorised
-// over j.
+// is walked once per token (the previous token's update + out, then this token's decay + kv:
+// `sweep`) instead of the loop's five full-tensor ops, each with its own buffers and threading.
+// Sums run over i in order, vectorised over j.
 #pragma once
 
 #include <immintrin.h>
@@ -38,51 +38,74 @@ namespace iq36 {
 
 namespace gdn {
 
-// One head over T tokens; S (dk x dv) updated in place.
-inline void head(const float* q, const float* k, const float* v, const float* g, const float* beta, size_t T, size_t dk,
-                 size_t dv, float* S, float* out, float* kv) {
-    for (size_t t = 0; t < T; ++t) {
-        const float* qt = q + t * dk;
-        const float* kt = k + t * dk;
-        const float* vt = v + t * dv;
-        float* ot = out + t * dv;
-        const float decay_s = std::exp(g[t]);
-        const __m256 decay = _mm256_set1_ps(decay_s);
-        // pass 1: S *= exp(g); kv = k . S
-        std::fill(kv, kv + dv, 0.0f);
-        size_t j;
-        for (size_t i = 0; i < dk; ++i) {
-            float* row = S + i * dv;
-            const __m256 ki = _mm256_set1_ps(kt[i]);
-            for (j = 0; j + 8 <= dv; j += 8) {
-                const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + j), decay);
-                _mm256_storeu_ps(row + j, s);
+// One sweep over the state's rows for one token: first the previous token's update and output
+// (kUpdate: S += kp (x) dp, then op = qp . S), then this token's decay and kv (kDecay: S *= decay,
+// kv = k . S). Per element the same operations in the same order as two separate passes per
+// token (decay + kv, then update + out), so the same bits: the state is read and written once
+// per token instead of twice (it is 64 KB a head at 128 x 128, beyond L1: the passes were bound
+// by moving it through L2).
+template <bool kUpdate, bool kDecay>
+inline void sweep(float* S, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op, float decay_s,
+                  const float* kt, float* kv) {
+    const __m256 decay = _mm256_set1_ps(decay_s);
+    for (size_t i = 0; i < dk; ++i) {
+        float* row = S + i * dv;
+        const __m256 kpi = _mm256_set1_ps(kUpdate ? kp[i] : 0.0f), qpi = _mm256_set1_ps(kUpdate ? qp[i] : 0.0f);
+        const __m256 ki = _mm256_set1_ps(kDecay ? kt[i] : 0.0f);
+        size_t j = 0;
+        for (; j + 8 <= dv; j += 8) {
+            __m256 s = _mm256_loadu_ps(row + j);
+            if constexpr (kUpdate) {
+                s = _mm256_fmadd_ps(kpi, _mm256_loadu_ps(dp + j), s);
+                _mm256_storeu_ps(op + j, _mm256_fmadd_ps(s, qpi, _mm256_loadu_ps(op + j)));
+            }
+            if constexpr (kDecay) {
+                s = _mm256_mul_ps(s, decay);
                 _mm256_storeu_ps(kv + j, _mm256_fmadd_ps(s, ki, _mm256_loadu_ps(kv + j)));
             }
-            for (; j < dv; ++j) {
+            _mm256_storeu_ps(row + j, s);
+        }
+        for (; j < dv; ++j) {
+            if constexpr (kUpdate) {
+                row[j] += kp[i] * dp[j];
+                op[j] += row[j] * qp[i];
+            }
+            if constexpr (kDecay) {
                 row[j] *= decay_s;
                 kv[j] += row[j] * kt[i];
             }
         }
-        // delta = (v - kv) * beta, kept in kv
-        const float b = beta[t];
-        for (j = 0; j < dv; ++j)
-            kv[j] = (vt[j] - kv[j]) * b;
-        // pass 2: S += k (x) delta; out = q . S
-        std::fill(ot, ot + dv, 0.0f);
-        for (size_t i = 0; i < dk; ++i) {
-            float* row = S + i * dv;
-            const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]);
-            for (j = 0; j + 8 <= dv; j += 8) {
-                const __m256 s = _mm256_fmadd_ps(ki, _mm256_loadu_ps(kv + j), _mm256_loadu_ps(row + j));
-                _mm256_storeu_ps(row + j, s);
-                _mm256_storeu_ps(ot + j, _mm256_fmadd_ps(s, qi, _mm256_loadu_ps(ot + j)));
-            }
-            for (; j < dv; ++j) {
-                row[j] += kt[i] * kv[j];
-                ot[j] += row[j] * qt[i];
-            }
+    }
+}
+
+// One head over T tokens; S (dk x dv) updated in place. Per token t (as the exported loop):
+// S *= exp(g_t); kv = k_t . S; delta = (v_t - kv) * beta_t; S += k_t (x) delta; out_t = q_t . S,
+// with token t's update and output done in token t + 1's sweep (and a last sweep after the chunk).
+// `delta` holds two rows of dv: this token's and the previous one's.
+inline void head(const float* q, const float* k, const float* v, const float* g, const float* beta, size_t T, size_t dk,
+                 size_t dv, float* S, float* out, float* delta) {
+    float* cur = delta;
+    float* prev = delta + dv;
+    for (size_t t = 0; t < T; ++t) {
+        const float* kt = k + t * dk;
+        std::fill(cur, cur + dv, 0.0f);  // kv, then delta in place
+        if (t == 0) {
+            sweep<false, true>(S, dk, dv, nullptr, nullptr, nullptr, nullptr, std::exp(g[t]), kt, cur);
+        } else {
+            float* op = out + (t - 1) * dv;
+            std::fill(op, op + dv, 0.0f);
+            sweep<true, true>(S, dk, dv, k + (t - 1) * dk, prev, q + (t - 1) * dk, op, std::exp(g[t]), kt, cur);
         }
+        const float* vt = v + t * dv;
+        const float b = beta[t];
+        for (size_t j = 0; j < dv; ++j)
+            cur[j] = (vt[j] - cur[j]) * b;
+        std::swap(cur, prev);
+    }
+    if (T > 0) {
+        float* op = out + (T - 1) * dv;
+        std::fill(op, op + dv, 0.0f);
+        sweep<true, false>(S, dk, dv, k + (T - 1) * dk, prev, q + (T - 1) * dk, op, 1.0f, nullptr, nullptr);
     }
 }
 
@@ -134,13 +157,13 @@ public:
         float* out = outputs[0].data<float>();
         float* s1 = outputs[1].data<float>();
         tbb::parallel_for(tbb::blocked_range<size_t>(0, B * H), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> kv;
-            kv.resize(dv);
+            thread_local std::vector<float> delta;
+            delta.resize(2 * dv);
             for (size_t bh = r.begin(); bh != r.end(); ++bh) {
                 float* S = s1 + bh * dk * dv;
                 std::copy_n(s0 + bh * dk * dv, dk * dv, S);
                 gdn::head(q + bh * T * dk, k + bh * T * dk, v + bh * T * dv, g + bh * T, beta + bh * T, T, dk, dv, S,
-                          out + bh * T * dv, kv.data());
+                          out + bh * T * dv, delta.data());
             }
         });
         return true;
