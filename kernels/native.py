@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SOURCES = sorted((Path(__file__).parent / "native").glob("*.cpp"))
-HEADERS = sorted([*(Path(__file__).parent / "native").glob("*.hpp"), *(Path(__file__).parent / "native").glob("*.inc")])
+NATIVE = Path(__file__).parent / "native"
+SOURCES = sorted(NATIVE.glob("*.cpp"))
+HEADERS = sorted([*NATIVE.glob("*.hpp"), *NATIVE.glob("*.inc")])  # .inc: included more than once
 LIBRARY = "libiq36_ops.so"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fvisibility=hidden",
          "-DNDEBUG"]

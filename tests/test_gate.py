@@ -78,7 +78,7 @@ def test_corrupted_candidate_fails_the_correctness_gate(tiny_dir: Path, tmp_path
 
 def test_a_failed_correctness_case_makes_a_complete_gate_not_claimable(tmp_path: Path, tiny_dir: Path) -> None:
     """The verdict logic on a complete 8-block gate whose only correctness case failed."""
-    from iq36.gate.report import build_report
+    from iq36.gate.report import build_report, render_markdown
     from iq36.gate.run import GateOptions, plan
 
     opts = GateOptions(model_dir=str(tiny_dir), buckets=(64,), classes=("filler",), blocks=8,
@@ -109,8 +109,15 @@ def test_a_failed_correctness_case_makes_a_complete_gate_not_claimable(tmp_path:
     assert roof["tok_s"] == pytest.approx(1e10 / roof["bytes_per_token"])
     assert roof["candidate_share"] == pytest.approx(12.0 / roof["tok_s"])
     assert roof["baseline_share"] == pytest.approx(10.0 / roof["tok_s"])
-    (tmp_path / "correctness.jsonl").write_text(json.dumps({**good, "greedy_match": False, "passed": False}) + "\n")
-    assert build_report(opts, tmp_path, sessions)["verdict"] == "not-claimable"
+    hard = {"position": 7, "stock_token": 11, "candidate_token": 12, "margin": 0.5, "near_tie": False}
+    failed = {**good, "greedy_match": False, "passed": False, "first_divergence": hard, "hard_divergences": [hard]}
+    (tmp_path / "correctness.jsonl").write_text(json.dumps(failed) + "\n")
+    report = build_report(opts, tmp_path, sessions)
+    assert report["verdict"] == "not-claimable"
+    # every divergence is reported with its margin (SPEC §5), the hard ones too
+    assert report["cases"][0]["correctness"]["hard_divergences"] == [hard]
+    text = render_markdown(report)
+    assert "## Hard divergences" in text and "64/filler position 7: stock 11, candidate 12, margin 0.5000" in text
 
 
 def test_bench_reports_rates_and_op_tables(tiny_dir: Path) -> None:

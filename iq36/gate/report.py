@@ -133,7 +133,7 @@ def _case(opts: Any, bucket: int, cls: str, runs: list[dict[str, Any]], corr: di
     correctness = None
     if corr is not None:
         correctness = {k: corr.get(k) for k in (
-            "greedy_match", "first_divergence", "near_tie_divergences", "top1_agreement", "max_kld",
+            "greedy_match", "first_divergence", "near_tie_divergences", "hard_divergences", "top1_agreement", "max_kld",
             "sentinel_stock", "sentinel_candidate", "passed", "positions", "eps", "exact")}
     return {
         "bucket": bucket,
@@ -288,11 +288,16 @@ def render_markdown(report: dict[str, Any]) -> str:
             seen.add((c["bucket"], n["length"]))
             lines.append(f"| {c['bucket']} | {n['length']} | {_fmt(n['candidate_vs_bucket'])} | "
                          f"{_fmt(n['baseline_vs_bucket'])} |")
-    divs = [(c, d) for c in report["cases"] for d in (c["correctness"] or {}).get("near_tie_divergences") or []]
-    lines += ["", f"## Near-tie divergences ({len(divs)})", ""]
-    for c, d in divs[:50]:
-        lines.append(f"- {c['bucket']}/{c['prompt_class']} position {d['position']}: stock {d['stock_token']}, "
-                     f"candidate {d['candidate_token']}, margin {d['margin']:.4f}")
+    for kind, title in (("hard_divergences", "Hard divergences (stock's top-2 margin >= eps: each fails the gate)"),
+                        ("near_tie_divergences", "Near-tie divergences")):
+        divs = [(c, d) for c in report["cases"] for d in (c["correctness"] or {}).get(kind) or []]
+        if kind == "hard_divergences" and not divs:
+            continue
+        lines += ["", f"## {title} ({len(divs)})", ""]
+        lines += [f"- {c['bucket']}/{c['prompt_class']} position {d['position']}: stock {d['stock_token']}, "
+                  f"candidate {d['candidate_token']}, margin {d['margin']:.4f}" for c, d in divs[:50]]
+        if len(divs) > 50:
+            lines.append(f"- … {len(divs) - 50} more in `report.json`")
     lines += ["", "Plots: `ratios.png`, `tpot.png`, `memory.png`.", ""]
     return "\n".join(lines)
 

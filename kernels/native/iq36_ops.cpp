@@ -7,7 +7,8 @@
 // The ops: U8Linear (u8_linear.hpp: the int8 LM head's GEMV) and U4Experts (u4_experts.hpp: a
 // MoE block's routed experts for a chunk of tokens, on the u4 weights) and GatedDeltaRule
 // (gated_delta.hpp: a linear-attention layer's recurrence over a chunk of tokens) and Q16Linear
-// (q16_linear.hpp: a compressed-weights matmul for decode rows on int16-rounded activations) and
+// (q16_linear.hpp: a compressed-weights matmul for decode rows on int16-rounded activations; its
+// u4 products also in an AVX-VNNI form, q16_u4_dot.inc, chosen at run time) and
 // CausalConv1d (causal_conv.hpp: a linear-attention layer's short convolution, token-major).
 
 #include "u8_linear.hpp"
