@@ -152,8 +152,10 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 }
 
 
+# Each rewrite's default when the profile's [kernels] table does not name it.
+_DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
-KNOWN_KERNELS = frozenset({*_KERNELS, *_PREFILL_KERNELS, DECODE_GRAPH, EXPERTS_BF16})
+KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, EXPERTS_BF16})
 
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d"}
@@ -162,13 +164,13 @@ _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalCo
 def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str], Any]:
     """The locked IR read by `core` with the profile's rewrites (`_KERNELS`) applied, not yet
     compiled, the names of the rewrites applied, and the decode graph (`DECODE_GRAPH`) or None."""
-    unknown = sorted(set(profile.kernels) - set(KNOWN_KERNELS))
+    unknown = sorted(profile.kernels.keys() - KNOWN_KERNELS)
     if unknown:
         raise ValueError(f"profile {profile.name}: unknown kernel{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(unknown)} in [kernels]; known: {', '.join(sorted(KNOWN_KERNELS))}")
     model = core.read_model(Path(model_dir) / "openvino_model.xml")
     for group in _EXCLUSIVE:
-        on = sorted(name for name in group if profile.kernels.get(name, {**_KERNELS, **_PREFILL_KERNELS}[name][1]))
+        on = sorted(name for name in group if profile.kernels.get(name, _DEFAULTS[name]))
         if len(on) > 1:
             raise ValueError(f"profile {profile.name}: kernels {' and '.join(on)} rewrite the same blocks; "
                              "turn all but one off in [kernels]")
