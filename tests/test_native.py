@@ -194,6 +194,21 @@ def test_u4_experts_bf16_tiles(nibbles: bool) -> None:
                           groups=(36, 20), nibbles=nibbles, bf16=True, round_act=False)
 
 
+@pytest.mark.skipif(not native.bf16_supported(), reason=f"needs a CPU with {', '.join(native.BF16_CPU_FLAGS)}")
+@pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
+def test_u4_experts_bf16_few_tokens(nibbles: bool) -> None:
+    """An expert with fewer tokens than a vector of 16: up to `kDotTokens` (10) of them as dot
+    products over the same tile, more as a padded vector. Experts of 3, 4, 5 and 10 tokens (the
+    dot form: register blocks of 3, then 1 and 2), 11 (padded), 16, 17, 26, 43 (vectors); 102 act
+    rows (4-row blocks and a 2-row tail), groups of 36 and 34 inputs (a masked tail of input
+    pairs in every group). Against float64, as `test_u4_experts_bf16_tiles`."""
+    rng = np.random.default_rng(11)
+    counts = [3, 4, 5, 10, 11, 16, 17, 26, 43, 1]  # the last: one row, `direct`
+    idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
+    _check_u4_experts(rng, idx, 0, np.float16, experts=len(counts), hidden=612, width=102, groups=(36, 34),
+                      nibbles=nibbles, bf16=True)
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_experts_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precision: str) -> None:
     """`experts_bf16` marks the U4Experts ops only for a model the plugin runs in bf16, on a CPU

@@ -465,29 +465,39 @@ public:
                         kGateRows % 2 == 0;
         // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them;
         // bf16 tiles: to 16, whole zmm vectors), or [m, I] rows for an expert with at most kDirect
-        // rows (taken by `direct`).
+        // rows (taken by `direct`). bf16 tiles: an expert with at most kDotTokens rows takes the
+        // dot form instead of one padded vector (`lanes` columns, then `rem` dot-form tokens).
         const size_t pad = bf ? 16 : 8;
-        std::vector<size_t> aoff(E + 1, 0), ld(E, 0);
+        std::vector<size_t> aoff(E + 1, 0), ld(E, 0), lanes(E, 0), rem(E, 0), roff(E + 1, 0);
         for (size_t e = 0; e < E; ++e) {
             const size_t m = start[e + 1] - start[e];
-            ld[e] = m > kDirect ? (m + pad - 1) / pad * pad : 0;
+            if (m > kDirect) {
+                const bool dot = bf && m <= bf16::kDotTokens;
+                lanes[e] = dot ? 0 : (m + pad - 1) / pad * pad;
+                rem[e] = dot ? m : 0;
+                ld[e] = lanes[e] + rem[e];
+            }
             aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
+            roff[e + 1] = roff[e] + rem[e];
         }
         std::vector<float> act(aoff[E]);
         const size_t ldmax = *std::max_element(ld.begin(), ld.end());
         std::vector<uint32_t> act2(bf ? aoff[E] / 2 : 0);
+        std::vector<uint16_t> actr(bf ? roff[E] * I : 0);  // the dot-form tokens' act rows, bf16, token-major
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
         const size_t tiles = (I + kGateRows - 1) / kGateRows;
         tbb::parallel_for(tbb::blocked_range<size_t>(0, present.size() * tiles), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> tile, xT, g, u, zero, scales;
+            thread_local std::vector<float> tile, xT, g, u, zero, scales, dacc;
             thread_local std::vector<uint16_t> tile16, xb;
             thread_local std::vector<const float*> rows;
+            const uint16_t* xr[bf16::kDotTokens];
             tile.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
             zero.assign(H, 0.0f);
             if (bf) {
                 tile16.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
                 scales.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
+                dacc.resize(kGateRows * bf16::kDotTokens * 16);
             }
             for (size_t task = r.begin(); task != r.end(); ++task) {
                 const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
@@ -524,11 +534,15 @@ public:
                         bf16::round_row(rows[i], H, xb.data() + i * H);
                         rows[i] = reinterpret_cast<const float*>(xb.data() + i * H);
                     }
-                    xT.resize(H / 2 * n);
-                    transpose_rows(rows.data(), m, zero.data(), H / 2, xT.data(), n);
+                    const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
+                    xT.resize(H / 2 * nl);
+                    if (nl > 0)
+                        transpose_rows(rows.data(), std::min(m, nl), zero.data(), H / 2, xT.data(), nl);
+                    for (size_t j = 0; j < rem[e]; ++j)
+                        xr[j] = xb.data() + (nl + j) * H;
                     const auto* xp = reinterpret_cast<const uint32_t*>(xT.data());
-                    bf16::products(gate, e, r0, nr, xp, n, n / 16, tile16.data(), scales.data(), g.data(), n);
-                    bf16::products(up, e, r0, nr, xp, n, n / 16, tile16.data(), scales.data(), u.data(), n);
+                    bf16::products(gate, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), g.data(), n);
+                    bf16::products(up, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), u.data(), n);
                 } else {
                     xT.resize(H * n);
                     transpose_rows(rows.data(), m, zero.data(), H, xT.data(), n);
@@ -538,8 +552,11 @@ public:
                 for (size_t c = 0; c < nr; ++c)
                     for (size_t t = 0; t < n; ++t)  // padded columns: silu(0) * 0 = 0
                         a[(r0 + c) * n + t] = silu(g[c * n + t]) * u[c * n + t];
-                if (bf)  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even)
-                    bf16::pair_columns(a + r0 * n, nr, n, act2.data() + (aoff[e] + r0 * n) / 2);
+                if (bf) {  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even), the dot-form tokens' as rows
+                    bf16::pair_columns(a + r0 * n, nr, n, lanes[e], act2.data() + (aoff[e] + r0 * n) / 2);
+                    if (rem[e] > 0)
+                        bf16::rows_of_columns(a + r0 * n + lanes[e], nr, n, rem[e], actr.data() + roff[e] * I + r0, I);
+                }
             }
         });
 
@@ -551,12 +568,14 @@ public:
 
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> tile, out, scales;
+            thread_local std::vector<float> tile, out, scales, dacc;
             thread_local std::vector<uint16_t> tile16;
+            const uint16_t* xr[bf16::kDotTokens];
             tile.resize(kDownRows * slice_of(down));
             if (bf) {
                 tile16.resize(kDownRows * slice_of(down));
                 scales.resize(kDownRows * slice_of(down));
+                dacc.resize(kDownRows * bf16::kDotTokens * 16);
             }
             out.resize(kDownRows * std::max(ldmax, kDirect));
             for (size_t task = r.begin(); task != r.end(); ++task) {
@@ -579,10 +598,14 @@ public:
                         continue;
                     }
                     const size_t n = ld[e];
-                    if (bf)
-                        bf16::products(down, e, c0, nc, act2.data() + aoff[e] / 2, n, n / 16, tile16.data(), scales.data(), out.data(), n);
-                    else
+                    if (bf) {
+                        for (size_t j = 0; j < rem[e]; ++j)
+                            xr[j] = actr.data() + (roff[e] + j) * I;
+                        bf16::products(down, e, c0, nc, act2.data() + aoff[e] / 2, n, lanes[e] / 16, xr, rem[e], dacc.data(),
+                                       tile16.data(), scales.data(), out.data(), n);
+                    } else {
                         products(down, e, c0, nc, a, n, n / 8, tile.data(), out.data(), n);
+                    }
                     for (size_t i = 0; i < m; ++i) {
                         float* dst = y + token[b + i] * H + c0;
                         const float w = route[b + i];

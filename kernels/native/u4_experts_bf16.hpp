@@ -163,15 +163,117 @@ IQ36_BF16 inline void gemm(const uint16_t* w, const float* s, size_t group, size
     });
 }
 
-// o[c][t] = dot(row r0 + c of expert e, token column t of xp) for c < n, t < vecs * 16.
+// A few tokens (an expert with fewer than a vector of 16, which the lane form pads with zero
+// columns) as dot products over the same row-major tile: per (weight row, token) one vector
+// accumulator sums 16 input pairs per vdpbf16ps, the group's scale on the group's sum as in the
+// lane form; the accumulators live in `acc` (row c, token t at (c * R_all + t) * 16) across the
+// slices and are reduced once at the end (`products`). Each product is exact as in the lane
+// form; the f32 sums run in another order. x[t]: token t's inputs of this slice as bf16 words.
+// Measured (the op alone, E = 256, 257 tokens: ~8 per expert): 92.8 -> 77.7-81.9 ms. As the
+// tail of a longer expert (its last m % 16 tokens) it measured no better than the padded vector
+// (E = 64 and 256 at 1024 tokens, within noise or slower): docs/perf-log.md, session 11.
+#ifndef IQ36_DOT_TOKENS
+#define IQ36_DOT_TOKENS 10
+#endif
+constexpr size_t kDotTokens = IQ36_DOT_TOKENS;  // experts with at most this many tokens take the dot form
+
+template <int C, int R>
+IQ36_BF16 inline void dot_kernel(const uint16_t* w, size_t ldw, const float* s, size_t lds, size_t group, size_t kn,
+                                 const uint16_t* const* x, float* acc, size_t lda, bool add) {
+    __m512 tot[C][R];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int t = 0; t < R; ++t)
+            tot[c][t] = add ? _mm512_loadu_ps(acc + c * lda + t * 16) : _mm512_setzero_ps();
+    const size_t gp = group / 2;  // input pairs per group
+    for (size_t g0 = 0; g0 < kn; g0 += group) {
+        __m512 ga[C][R];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+            for (int t = 0; t < R; ++t)
+                ga[c][t] = _mm512_setzero_ps();
+        for (size_t q = 0; q < gp; q += 16) {
+            const __mmask16 mk = q + 16 <= gp ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (gp - q)) - 1);
+            __m512bh xv[R];
+#pragma GCC unroll 8
+            for (int t = 0; t < R; ++t)
+                xv[t] = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi32(mk, x[t] + g0 + 2 * q));
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi32(mk, w + c * ldw + g0 + 2 * q));
+#pragma GCC unroll 8
+                for (int t = 0; t < R; ++t)
+                    ga[c][t] = _mm512_dpbf16_ps(ga[c][t], wv, xv[t]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const __m512 sc = _mm512_set1_ps(s[c * lds + g0 / group]);
+#pragma GCC unroll 8
+            for (int t = 0; t < R; ++t)
+                tot[c][t] = _mm512_fmadd_ps(ga[c][t], sc, tot[c][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int t = 0; t < R; ++t)
+            _mm512_storeu_ps(acc + c * lda + t * 16, tot[c][t]);
+}
+
+template <int R>
+IQ36_BF16 inline void dot_rows(const uint16_t* w, const float* s, size_t gn, size_t group, size_t n, size_t kn,
+                               const uint16_t* const* x, float* acc, size_t lda, bool add) {
+    size_t c = 0;
+    for (; c + 4 <= n; c += 4)
+        dot_kernel<4, R>(w + c * kn, kn, s + c * gn, gn, group, kn, x, acc + c * lda, lda, add);
+    for (; c < n; ++c)
+        dot_kernel<1, R>(w + c * kn, kn, s + c * gn, gn, group, kn, x, acc + c * lda, lda, add);
+}
+
+// acc (n rows x rem tokens x 16) (+)= the tile's rows dotted with the rem tokens' slices x.
+IQ36_BF16 inline void dots(const uint16_t* w, const float* s, size_t group, size_t n, size_t kn, const uint16_t* const* x,
+                           size_t rem, float* acc, bool add) {
+    const size_t gn = kn / group, lda = rem * 16;
+    for (size_t t = 0; t < rem;) {
+        const size_t left = rem - t;
+        if (left >= 3) {
+            dot_rows<3>(w, s, gn, group, n, kn, x + t, acc + t * 16, lda, add);
+            t += 3;
+        } else if (left == 2) {
+            dot_rows<2>(w, s, gn, group, n, kn, x + t, acc + t * 16, lda, add);
+            t += 2;
+        } else {
+            dot_rows<1>(w, s, gn, group, n, kn, x + t, acc + t * 16, lda, add);
+            t += 1;
+        }
+    }
+}
+
+// o[c][t] = dot(row r0 + c of expert e, token t) for c < n: tokens t < vecs * 16 from the token
+// columns xp (the lane form), then `rem` more, t = vecs * 16 + j, from the token-major rows xr[j]
+// (the dot form; `acc`: n x rem x 16 floats of scratch).
 IQ36_BF16 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const uint32_t* xp, size_t ldx, size_t vecs,
-                               uint16_t* tile, float* scales, float* o, size_t ldo) {
+                               const uint16_t* const* xr, size_t rem, float* acc, uint16_t* tile, float* scales, float* o,
+                               size_t ldo) {
     const size_t K = m.in(), ks = slice_of(m);
+    const uint16_t* xs[kDotTokens];
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0);
         decompress(m, e, r0, n, k0, kn, tile, scales);
-        gemm(tile, scales, m.group, n, kn, xp + (k0 / 2) * ldx, ldx, vecs, o, ldo, k0 > 0);
+        if (vecs > 0)
+            gemm(tile, scales, m.group, n, kn, xp + (k0 / 2) * ldx, ldx, vecs, o, ldo, k0 > 0);
+        if (rem > 0) {
+            for (size_t j = 0; j < rem; ++j)
+                xs[j] = xr[j] + k0;
+            dots(tile, scales, m.group, n, kn, xs, rem, acc, k0 > 0);
+        }
     }
+    for (size_t c = 0; c < n; ++c)
+        for (size_t j = 0; j < rem; ++j)
+            o[c * ldo + vecs * 16 + j] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + (c * rem + j) * 16));
 }
 
 // One f32 row as bf16 (round to nearest even), n even.
@@ -186,18 +288,31 @@ IQ36_BF16 inline void round_row(const float* x, size_t n, uint16_t* out) {
     }
 }
 
-// Token columns (a: K x ld f32, K even) as input pairs: p[k / 2][t] = bf16(a[k][t]) | bf16(a[k + 1][t]) << 16.
-IQ36_BF16 inline void pair_columns(const float* a, size_t K, size_t ld, uint32_t* p) {
+// Token columns (a: K x ld f32, K even) as input pairs: p[k / 2][t] = bf16(a[k][t]) | bf16(a[k + 1][t]) << 16,
+// for t < cols (a multiple of 8).
+IQ36_BF16 inline void pair_columns(const float* a, size_t K, size_t ld, size_t cols, uint32_t* p) {
     for (size_t k = 0; k < K; k += 2) {
         const float* lo = a + k * ld;
         const float* hi = lo + ld;
         uint32_t* dst = p + (k / 2) * ld;
-        for (size_t t = 0; t < ld; t += 8) {
+        for (size_t t = 0; t < cols; t += 8) {
             const __m128i l = reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(_mm256_loadu_ps(lo + t)));
             const __m128i h = reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(_mm256_loadu_ps(hi + t)));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t), _mm_unpacklo_epi16(l, h));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t + 4), _mm_unpackhi_epi16(l, h));
         }
+    }
+}
+
+// Columns [0, rem) of rows [0, K) of a (ld apart; rem <= 16) rounded to bf16 as the lane form
+// rounds them, token-major: r[j * ldr + k] = bf16(a[k * ld + j]).
+IQ36_BF16 inline void rows_of_columns(const float* a, size_t K, size_t ld, size_t rem, uint16_t* r, size_t ldr) {
+    const __mmask16 mk = rem >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rem) - 1);
+    alignas(32) uint16_t b[16];
+    for (size_t k = 0; k < K; ++k) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(b), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, a + k * ld))));
+        for (size_t j = 0; j < rem; ++j)
+            r[j * ldr + k] = b[j];
     }
 }
 
