@@ -166,7 +166,7 @@ IQ36_BF16 inline void gemm(const uint16_t* w, const float* s, size_t group, size
 // A few tokens (an expert with fewer than a vector of 16, which the lane form pads with zero
 // columns) as dot products over the same row-major tile: per (weight row, token) one vector
 // accumulator sums 16 input pairs per vdpbf16ps, the group's scale on the group's sum as in the
-// lane form; the accumulators live in `acc` (row c, token t at (c * R_all + t) * 16) across the
+// lane form; the accumulators live in `acc` (row c, token t at (c * rem + t) * 16) across the
 // slices and are reduced once at the end (`products`). Each product is exact as in the lane
 // form; the f32 sums run in another order. x[t]: token t's inputs of this slice as bf16 words.
 // Measured (the op alone, E = 256, 257 tokens: ~8 per expert): 92.8 -> 77.7-81.9 ms. As the
