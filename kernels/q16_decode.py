@@ -21,10 +21,17 @@ How: the LM head after `last_token_logits` has one row in both phases and is rep
 Every other matmul keeps both paths in one graph (no `If`, whose body the plugin runs on one
 thread):
 
-    n = T if T > MAX_ROWS else 0        rows for the plugin's own kernel (prefill chunks)
+    t = T mod ROW_BLOCK
+    n = T - t if T > MAX_ROWS and t <= MAX_ROWS      rows for the plugin's own kernel (prefill
+        T     if T > MAX_ROWS                        chunks), the rest for the op
+        0     otherwise
     y = concat(MatMul(x[:n]), Q16Linear(x[n:]))   along the rows axis
 
-so prefill keeps the plugin's f32 kernels and decode (T = 1) runs the op. Same constants: no
+so prefill keeps the plugin's f32 kernels and decode (T = 1) runs the op. A chunk's last rows
+past a whole number of the plugin's row blocks, when they are at most MAX_ROWS, run the op too:
+the plugin's compressed matmul takes rows in blocks of ROW_BLOCK and a last block of one row
+costs it about as much as a whole one (one more pass over the weights: dev-bench, AVX-512 EPYC,
+prefill of 257 tokens 514-545 ms against 484-497 at 256). Same constants: no
 copy of the weights; u4 weights reach the ops as their packed bytes typed u8 (`_as_bytes`, the
 ops' `nibbles`), since the plugin widens a u4 constant that only an extension op reads to u8. A
 `native_experts` block's U4Experts op takes every row (`q16_rows`), its fused block dropped
@@ -47,6 +54,12 @@ from kernels.packed import u8_view
 
 NAME = "q16_decode"
 MAX_ROWS = 4  # chunks of up to this many rows run the op (decode); larger ones the plugin's kernel
+# Rows the CPU plugin's compressed matmul (bf16 brgemm) computes together: its time steps up at
+# every multiple (dev-bench, AVX-512 EPYC, PERF_COUNT: 145-158 ms at 256 rows, 177-188 at 257
+# to 264, flat to 320, 35 ms more at 321). A chunk's last T mod ROW_BLOCK rows, when at most
+# MAX_ROWS, run the op instead: 257-token prefill 514-545 -> 482-511 ms (two engines alternating
+# in one process; 5 rows still gained 12 ms, 8 rows lost 8). docs/perf-log.md, session 12.
+ROW_BLOCK = 64
 MIN_BYTES = 128 * 1024  # weights below this stay on the plugin (the router, gates, tiny projections)
 BLOCK = 128  # the op's activation block: weight groups must be multiples of it
 
@@ -116,14 +129,19 @@ def _eligible(matmul: Any, min_bytes: int) -> tuple[Any, Any, Any] | None:
 
 
 def _split(matmul: Any, op_node: Any) -> Any:
-    """concat(MatMul(x[:n]), op(x[n:])) along the rows axis, n = T if T > MAX_ROWS else 0."""
+    """concat(MatMul(x[:n]), op(x[n:])) along the rows axis: n = T if T > MAX_ROWS else 0, less
+    the last T mod ROW_BLOCK rows of a longer chunk when they are at most MAX_ROWS."""
     from openvino import opset15 as op
 
     x = matmul.input_value(0)
     axis = x.get_partial_shape().rank.get_length() - 2
     i64 = np.int64
     rows = op.gather(op.shape_of(x), op.constant(np.array([axis], i64)), op.constant(i64(0)))
-    n = op.select(op.greater(rows, op.constant(np.array([MAX_ROWS], i64))), rows, op.constant(np.array([0], i64)))
+    few = op.constant(np.array([MAX_ROWS], i64))
+    chunk = op.greater(rows, few)
+    tail = op.floor_mod(rows, op.constant(np.array([ROW_BLOCK], i64)))
+    whole = op.select(op.less_equal(tail, few), op.subtract(rows, tail), rows)
+    n = op.select(chunk, whole, op.constant(np.array([0], i64)))
     one, big = op.constant(np.array([1], i64)), op.constant(np.array([np.iinfo(i64).max], i64))
     ax = op.constant(np.array([axis], i64))
     head = op.slice(x, op.constant(np.array([0], i64)), n, one, ax)

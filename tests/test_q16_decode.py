@@ -273,7 +273,8 @@ def test_every_dense_compressed_matmul_but_the_routers_is_rewritten(tiny_dir: Pa
 
 def test_rows_are_split_between_the_plugin_and_the_op() -> None:
     """One rewritten matmul [T, 512] x u4 [64, 4, 128]: chunks of up to MAX_ROWS rows give the
-    op's own numbers bit for bit, longer ones the plugin's MatMul's."""
+    op's own numbers bit for bit, longer ones the plugin's MatMul's, but for their last
+    T mod ROW_BLOCK rows when those are at most MAX_ROWS (the op's)."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -296,12 +297,14 @@ def test_rows_are_split_between_the_plugin_and_the_op() -> None:
     q16_decode.apply(model, min_bytes=0)
     assert [o.get_type_name() for o in model.get_ordered_ops()].count("Q16Linear") == 1
     split = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
-    for rows in (1, q16_decode.MAX_ROWS, q16_decode.MAX_ROWS + 1, 40):
+    few, block = q16_decode.MAX_ROWS, q16_decode.ROW_BLOCK
+    for rows in (1, few, few + 1, 40, block, block + 1, block + few, block + few + 1, 2 * block + 2):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
         got = np.array(split.infer({"x": x})[0])
         ours, plugin = (np.array(t) for t in both.infer({"x": x}).values())
-        want, other = (ours, plugin) if rows <= q16_decode.MAX_ROWS else (plugin, ours)
-        assert np.array_equal(got, want) and not np.array_equal(got, other), rows
+        n = 0 if rows <= few else rows - rows % block if rows % block <= few else rows  # the plugin's rows
+        assert np.array_equal(got[:n], plugin[:n]) and np.array_equal(got[n:], ours[n:]), rows
+        assert not np.array_equal(got, ours if n else plugin), rows  # the two paths differ here
 
 
 @pytest.mark.parametrize("chunks", [[1], [3, 1, 1], [64, 1, 1, 1]], ids=["1", "3+decode", "64+decode"])
