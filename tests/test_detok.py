@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker.detok import IncrementalDetokenizer, OutputStream, StopStringMatcher
+from worker.detok import WINDOW, IncrementalDetokenizer, OutputStream, StopStringMatcher
 from worker.engine.types import FinishReason, SamplingParams
 
 EOS = 99
@@ -46,8 +46,21 @@ def test_multibyte_characters_are_never_split() -> None:
 
 def test_decode_windows_stay_short() -> None:
     vocab = FakeVocab([b"word "])
-    _run(IncrementalDetokenizer(vocab.decode), [0] * 300)
-    assert max(vocab.windows) <= 2  # a sliding window, not the whole output
+    deltas = _run(IncrementalDetokenizer(vocab.decode), [0] * 300)
+    assert "".join(deltas) == "word " * 300 and all(deltas)
+    assert max(vocab.windows) <= WINDOW  # a sliding window, not the whole output
+    # one decode per token, and one more each time the window's start moves
+    assert len(vocab.windows) <= 300 + 300 // (WINDOW // 2), len(vocab.windows)
+
+
+def test_held_back_tokens_keep_the_window_and_its_text() -> None:
+    """A character split over tokens is held, then emitted whole, with every window's start
+    moves in between (the emitted text is the full decode's, in order)."""
+    text = "ab😀cd" * 10 + "中"  # 83 byte tokens: ids below EOS (99)
+    vocab = FakeVocab(_split_bytes(text))
+    deltas = _run(IncrementalDetokenizer(vocab.decode), range(len(vocab.pieces)))
+    assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+    assert max(vocab.windows) <= WINDOW + 3  # a window can outgrow WINDOW only while a character is held
 
 
 def test_flush_releases_a_trailing_incomplete_sequence() -> None:
