@@ -147,22 +147,33 @@ def vnni_probe() -> None:
     print(digest.hexdigest())
 
 
-@pytest.mark.skipif("avx_vnni" not in native.cpu_flags(), reason="needs a CPU with AVX-VNNI")
-def test_q16_linear_vnni_products_are_the_avx2_products_bit_for_bit() -> None:
-    """With AVX-VNNI the u4 products take vpdpbusd / vpdpwssd; the int32 lanes are the AVX2
-    form's, so every output is bit for bit the same (IQ36_NATIVE_VNNI=0 keeps the AVX2 form)."""
+_FORMS = {  # the products' forms: the CPU flags each needs, and the environment that picks it
+    "vnni": (("avx_vnni",), {"IQ36_NATIVE_VNNI": "1", "IQ36_NATIVE_AVX512": "0"}),
+    "zmm": (("avx512f", "avx512bw", "avx512_vnni"), {"IQ36_NATIVE_VNNI": "1", "IQ36_NATIVE_AVX512": "1"}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_FORMS))
+def test_q16_linear_products_are_the_avx2_products_bit_for_bit(form: str) -> None:
+    """With AVX-VNNI (ymm) or AVX512-VNNI (zmm) the u4 products take vpdpbusd; their int32 lanes
+    are the AVX2 form's, so every output is bit for bit the same (IQ36_NATIVE_VNNI=0 keeps the
+    AVX2 form, IQ36_NATIVE_AVX512=0 the ymm forms)."""
     import os
     import subprocess
     import sys
 
-    def digest(vnni: str) -> str:
+    flags, picks = _FORMS[form]
+    missing = [f for f in flags if f not in native.cpu_flags()]
+    if missing:
+        pytest.skip(f"the {form} form needs a CPU with {', '.join(missing)}")
+
+    def digest(env: dict[str, str]) -> str:
         code = "from tests.test_q16_decode import vnni_probe; vnni_probe()"
-        env = {**os.environ, "IQ36_NATIVE_VNNI": vnni}
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent.parent)
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent.parent)
         return done.stdout.strip().splitlines()[-1]
 
-    assert digest("1") == digest("0")
+    assert digest(picks) == digest({"IQ36_NATIVE_VNNI": "0"})
 
 
 def test_q16_linear_zero_blocks_and_zero_rows() -> None:

@@ -16,9 +16,9 @@
 // sx * (sum w q + (sum w lo) / L - zp * sum (q + lo / L)): the sums are exact in int32, the zero
 // point enters once per group, and the blocks are combined in f32 with the weights' scales. The
 // results are as close to float64 as the plugin's f32 kernels (tests/test_q16_decode.py), with
-// only summation order differing. Per 64 u4 weights the loop is one load, three byte ops, two
-// pmaddubsw (lo), four unpacks and four pmaddwd (q) and their adds; per 16 u8 weights one
-// widening load and two pmaddwd. The plugin widens each weight to f32 (convert, subtract, FMA),
+// only summation order differing. Per 64 u4 weights the loop is one load, three byte ops and six
+// byte products (q's two bytes and lo, each against the weights' bytes; q16_u4_dot.inc); per 16
+// u8 weights one widening load and two pmaddwd. The plugin widens each weight to f32 (convert, subtract, FMA),
 // which is what bounds its kernels at batch 1 on an AVX2 CPU without VNNI (docs/perf-log.md).
 //
 // Threads: rows of w in tasks (TBB); each task reads its weight rows once for every row of x.
@@ -52,40 +52,46 @@ constexpr size_t kMaxInputs = 32768;  // u4 rows: `dot_u4` keeps a row's block s
 
 // One row of x as two terms per input against a scale per block of 128 inputs, sx = max |x| / 32767:
 // x = sx * (q + lo / L), |q| <= 32767. u8 weights: lo int16, L = 65536, q and lo in input order.
-// u4 weights: lo int8, L = 256, both in the order `block_u4` reads them (below). Per weight group,
-// zq = sum over its blocks of sx * sum (q + lo / L) (for the zero points).
+// u4 weights: lo int8, L = 256, and q as its two bytes q = 256 * qh + ql (qh int8, ql u8), all
+// three in the order `block_u4` reads them (below). Per weight group, zq = sum over its blocks of
+// sx * sum (q + lo / L) (for the zero points).
 //
 // An int8 `lo` resolves 2^-9 of q's unit: f32's own rounding of x * 32767 / max |x| near the
 // block's largest magnitude (2^-24 of 32767), so the second term adds no precision beyond it at
-// 16 bits; at 8 bits it is one pmaddubsw per 32 u4 weights instead of two pmaddwd.
+// 16 bits. With q's bytes apart too, every u4 product is a byte product (u8 x s8: pmaddubsw, or
+// vpdpbusd with VNNI) on the weights' bytes as they are unpacked, with no widening to words.
 struct Row {
-    std::vector<int16_t> q, lo;
-    std::vector<int8_t> lo8;
+    std::vector<int16_t> q, lo;  // u8 weights
+    std::vector<int8_t> qh, lo8;  // u4 weights
+    std::vector<uint8_t> ql;
     std::vector<float> sx;
     std::vector<float> zq;
 };
 
-// Where input i of a 64-input chunk of u4 weights goes. The chunk is 32 packed bytes, byte j
-// holding inputs 2j (low nibble) and 2j + 1 (high nibble); `block_u4` splits them into the even
-// and odd inputs' bytes (e, o), multiplies those by lo8 with pmaddubsw (adjacent bytes pair up:
-// lo8 = [lo of the 32 even inputs, lo of the 32 odd inputs]) and widens each to words for pmaddwd
-// with q, per 128-bit lane: unpacklo takes bytes 0-7 and 16-23, unpackhi bytes 8-15 and 24-31
-// (q = [e lo, e hi, o lo, o hi], 16 each).
-inline size_t u4_lo8_at(size_t i) { return (i & 1) * 32 + (i >> 1); }
-inline size_t u4_q_at(size_t i) {
-    const size_t j = i >> 1;
-    return (i & 1) * 32 + ((j >> 3) & 1) * 16 + (j & 7) + (j >> 4) * 8;
+// Where input i of a block of 128 u4 inputs goes. Packed byte j holds inputs 2j (low nibble) and
+// 2j + 1 (high nibble); `block_u4` splits a vector of them into the even and odd inputs' bytes
+// (e, o) and multiplies each byte by the activation byte in the same place: per vector of packed
+// bytes, qh, ql and lo8 = [its even inputs', its odd inputs']. Vectors of 32 bytes (AVX2, AVX-VNNI)
+// take a block in two chunks of 64 inputs; a zmm vector takes the whole block.
+inline size_t u4_at(size_t i, bool zmm) {
+    const size_t chunk = zmm ? 128 : 64;
+    return (i & ~(chunk - 1)) + (i & 1) * (chunk / 2) + ((i & (chunk - 1)) >> 1);
 }
+
+inline bool use_zmm();
 
 // Vectorised: a decode step rounds one row per op call on the calling thread while the other
 // threads wait, so the scalar form (lrintf per input) cost ~17 us per 2048 inputs. Same values:
 // the same f32 products, rounded to nearest even as lrintf does in the default mode.
 inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& r) {
-    r.q.resize(K);
-    if (nibbles)
+    if (nibbles) {
+        r.qh.resize(K);
+        r.ql.resize(K);
         r.lo8.resize(K);
-    else
+    } else {
+        r.q.resize(K);
         r.lo.resize(K);
+    }
     r.sx.resize(K / kBlock);
     r.zq.assign(K / group, 0.f);
     const float unit = nibbles ? 256.f : 65536.f;
@@ -93,6 +99,7 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
     const __m256i l_max = _mm256_set1_epi32(nibbles ? 127 : 32767), l_min = _mm256_set1_epi32(nibbles ? -127 : -32767);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), vunit = _mm256_set1_ps(unit);
     alignas(32) int32_t v[kBlock], l[kBlock];
+    const bool zmm = nibbles && use_zmm();
     for (size_t b = 0; b < K / kBlock; ++b) {
         const float* xb = x + b * kBlock;
         __m256 mv = _mm256_setzero_ps();
@@ -123,15 +130,18 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
             qt += qs[i];
             lt += ls[i];
         }
-        int16_t* qb = r.q.data() + b * kBlock;
         if (nibbles) {
+            int8_t* hb = r.qh.data() + b * kBlock;
+            uint8_t* qlb = r.ql.data() + b * kBlock;
             int8_t* lb = r.lo8.data() + b * kBlock;
             for (size_t i = 0; i < kBlock; ++i) {
-                const size_t chunk = i & ~size_t(63);
-                qb[chunk + u4_q_at(i & 63)] = static_cast<int16_t>(v[i]);
-                lb[chunk + u4_lo8_at(i & 63)] = static_cast<int8_t>(l[i]);
+                const size_t at = u4_at(i, zmm);
+                hb[at] = static_cast<int8_t>(v[i] >> 8);  // floor: v = 256 * qh + ql, ql in [0, 255]
+                qlb[at] = static_cast<uint8_t>(v[i] & 0xFF);
+                lb[at] = static_cast<int8_t>(l[i]);
             }
         } else {
+            int16_t* qb = r.q.data() + b * kBlock;
             int16_t* lb = r.lo.data() + b * kBlock;
             for (size_t i = 0; i < kBlock; ++i) {
                 qb[i] = static_cast<int16_t>(v[i]);
@@ -211,22 +221,56 @@ namespace vnni {
 }  // namespace vnni
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")
+namespace zmm {
+#define IQ36_Q16_VNNI 1
+#define IQ36_Q16_ZMM 1
+#include "q16_u4_dot.inc"
+#undef IQ36_Q16_ZMM
+#undef IQ36_Q16_VNNI
+}  // namespace zmm
+#pragma GCC pop_options
+
+inline bool env_off(const char* name) {
+    const char* env = std::getenv(name);
+    return env && std::strcmp(env, "0") == 0;
+}
+
 // AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (GCC 12's __builtin_cpu_supports does not know it).
+// `IQ36_NATIVE_VNNI=0` keeps the AVX2 form (and turns the zmm form off too).
 inline bool use_vnni() {
     static const bool yes = [] {
         unsigned a = 0, b = 0, c = 0, d = 0;
         if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 4)))
             return false;
-        const char* env = std::getenv("IQ36_NATIVE_VNNI");
-        return !(env && std::strcmp(env, "0") == 0);
+        return !env_off("IQ36_NATIVE_VNNI");
     }();
     return yes;
 }
 
-inline float dot(const Weights& W, size_t n, const Row& r) {
-    if (!W.w4)
-        return dot_u8(W, n, r);
-    return use_vnni() ? vnni::dot_u4(W, n, r) : plain::dot_u4(W, n, r);
+// AVX512-VNNI (and F, BW for the byte ops): the zmm form, on CPUs that have it (this project's
+// AVX-512 development machines; not the target's Panther Lake cores, which take `vnni`).
+// `IQ36_NATIVE_AVX512=0` keeps the ymm forms.
+inline bool use_zmm() {
+    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vnni") && !env_off("IQ36_NATIVE_VNNI") &&
+                            !env_off("IQ36_NATIVE_AVX512");
+    return yes;
+}
+
+// y[0 .. count) for weight rows n to n + count - 1 against one rounded row of x.
+inline void dot(const Weights& W, size_t n, size_t count, const Row& r, float* y) {
+    if (!W.w4) {
+        for (size_t j = 0; j < count; ++j)
+            y[j] = dot_u8(W, n + j, r);
+    } else if (use_zmm()) {
+        zmm::dot_u4_rows(W, n, count, r, y);
+    } else if (use_vnni()) {
+        vnni::dot_u4_rows(W, n, count, r, y);
+    } else {
+        plain::dot_u4_rows(W, n, count, r, y);
+    }
 }
 
 }  // namespace q16
@@ -310,10 +354,13 @@ public:
             q16::quantize(x.data<const float>() + m * K, K, W.group, W.w4, rows[m]);
         float* y = outputs[0].data<float>();
         const size_t grain = std::max<size_t>(8, N / 64);
+        constexpr size_t kRows = 2;  // weight rows per pass over a row of x (`dot_u4` shares x's loads)
         tbb::parallel_for(tbb::blocked_range<size_t>(0, N, grain), [&](const tbb::blocked_range<size_t>& r) {
-            for (size_t n = r.begin(); n != r.end(); ++n)
+            for (size_t n = r.begin(); n < r.end(); n += kRows) {
+                const size_t count = std::min(kRows, r.end() - n);
                 for (size_t m = 0; m < M; ++m)
-                    y[m * N + n] = q16::dot(W, n, rows[m]);
+                    q16::dot(W, n, count, rows[m], y + m * N + n);
+            }
         });
         return true;
     }

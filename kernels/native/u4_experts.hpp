@@ -512,10 +512,8 @@ public:
                     for (size_t i = 0; i < m; ++i) {
                         if (use_q16) {
                             const q16::Row& r = xq[token[b + i] - skip];
-                            for (size_t c = 0; c < nr; ++c) {
-                                g[c] = q16::dot(qgate, e * I + r0 + c, r);
-                                u[c] = q16::dot(qup, e * I + r0 + c, r);
-                            }
+                            q16::dot(qgate, e * I + r0, nr, r, g.data());
+                            q16::dot(qup, e * I + r0, nr, r, u.data());
                         } else {
                             direct(gate, e, r0, nr, rows[i], g.data());
                             direct(up, e, r0, nr, rows[i], u.data());
@@ -586,8 +584,7 @@ public:
                     if (m <= kDirect) {
                         for (size_t i = 0; i < m; ++i) {
                             if (use_q16)
-                                for (size_t c = 0; c < nc; ++c)
-                                    out[c] = q16::dot(qdown, e * H + c0 + c, aq[b + i]);
+                                q16::dot(qdown, e * H + c0, nc, aq[b + i], out.data());
                             else
                                 direct(down, e, c0, nc, a + i * I, out.data());
                             float* dst = y + token[b + i] * H + c0;
