@@ -18,8 +18,9 @@
 // results are as close to float64 as the plugin's f32 kernels (tests/test_q16_decode.py), with
 // only summation order differing. Per 64 u4 weights the loop is one load, three byte ops and six
 // byte products (q's two bytes and lo, each against the weights' bytes; q16_u4_dot.inc); per 16
-// u8 weights one widening load and two pmaddwd. The plugin widens each weight to f32 (convert, subtract, FMA),
-// which is what bounds its kernels at batch 1 on an AVX2 CPU without VNNI (docs/perf-log.md).
+// u8 weights one widening load and two pmaddwd. The plugin widens each weight to f32 (convert,
+// subtract, FMA), which is what bounds its kernels at batch 1 on an AVX2 CPU without VNNI
+// (docs/perf-log.md).
 //
 // Threads: rows of w in tasks (TBB); each task reads its weight rows once for every row of x.
 #pragma once
