@@ -209,6 +209,46 @@ def test_u4_experts_bf16_few_tokens(nibbles: bool) -> None:
                       nibbles=nibbles, bf16=True)
 
 
+_POISONED_CHECKS = """
+import numpy as np
+from kernels import native
+from tests import test_native as t
+
+rng = np.random.default_rng(5)
+idx = np.stack([rng.permutation(5)[:3] for _ in range(40)]).astype(np.int32)
+idx[:37, 0] = 0
+idx[:37, 1:] = np.where(idx[:37, 1:] == 0, 4, idx[:37, 1:])
+idx[37:, :] = [1, 2, 3]
+for nibbles in (False, True):
+    for bf16 in (False, True) if native.bf16_supported() else (False,):
+        t._check_u4_experts(rng, idx, 2, np.float16, experts=5, hidden=612, width=100, groups=(36, 20),
+                            nibbles=nibbles, bf16=bf16)
+        # then fewer rows (the buffers are larger than the call needs), then decode rows
+        t._check_u4_experts(rng, idx[:9], 0, np.float16, experts=5, hidden=612, width=100, groups=(36, 20),
+                            nibbles=nibbles, bf16=bf16)
+        t._check_u4_experts(rng, idx[:1], 0, np.float32, experts=5, hidden=512, width=256, groups=(128, 128),
+                            q16_rows=4, nibbles=nibbles, bf16=bf16)
+print("checked")
+"""
+
+
+def test_u4_experts_reads_only_what_it_wrote() -> None:
+    """U4Experts keeps its act buffers between calls (`Scratch`, kernels/native/common.hpp). With
+    IQ36_NATIVE_POISON=1 every such buffer is all-ones bytes (NaN) at each call, so an element
+    read before the call wrote it puts NaN in the output and fails the float64 comparison: f32
+    and bf16 tiles, packed and u8 weights, a large call then smaller ones (stale larger buffers),
+    then decode rows."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", _POISONED_CHECKS], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "IQ36_NATIVE_POISON": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().endswith("checked")
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_experts_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precision: str) -> None:
     """`experts_bf16` marks the U4Experts ops only for a model the plugin runs in bf16, on a CPU

@@ -3,7 +3,65 @@
 
 #include <immintrin.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
 namespace iq36 {
+
+// `IQ36_NATIVE_POISON=1`: every `scratch` buffer is filled with all-ones bytes (NaN as f32 and
+// bf16) at every call, so a test sees any element read before the call wrote it.
+inline bool poison_scratch() {
+    static const bool yes = [] {
+        const char* env = std::getenv("IQ36_NATIVE_POISON");
+        return env && std::strcmp(env, "1") == 0;
+    }();
+    return yes;
+}
+
+// A buffer of at least n elements kept between calls, one per calling thread and Tag: it grows,
+// never shrinks, and holds whatever the last call left. A large std::vector per call is a fresh
+// mmap (glibc serves blocks above 32 MB so) whose every page faults in again, zeroed, at each
+// call. Should the same thread ask for the same buffer while it is held (a nested call), it gets
+// a buffer of its own for that call.
+template <class T, int Tag>
+class Scratch {
+public:
+    explicit Scratch(size_t n) {
+        Slot& slot = held();
+        if (!slot.busy) {
+            slot.busy = true;
+            slot_ = &slot;
+            buffer_ = &slot.buffer;
+        } else {
+            buffer_ = &own_;
+        }
+        if (buffer_->size() < n)
+            *buffer_ = std::vector<T>(n);
+        if (poison_scratch() && n > 0)
+            std::memset(static_cast<void*>(buffer_->data()), 0xFF, n * sizeof(T));
+    }
+    ~Scratch() {
+        if (slot_)
+            slot_->busy = false;
+    }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    T* data() { return buffer_->data(); }
+
+private:
+    struct Slot {
+        std::vector<T> buffer;
+        bool busy = false;
+    };
+    static Slot& held() {
+        thread_local Slot slot;
+        return slot;
+    }
+    Slot* slot_ = nullptr;
+    std::vector<T>* buffer_ = nullptr;
+    std::vector<T> own_;
+};
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -480,10 +480,16 @@ public:
             aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
             roff[e + 1] = roff[e] + rem[e];
         }
-        std::vector<float> act(aoff[E]);
+        // Kept between calls (`Scratch`): a prefill chunk's act is T x k x I floats (64 MB at 4096
+        // tokens), which as a fresh vector per call was a fresh mmap faulted in page by page.
+        // Every element a call reads it has written first (tests/test_native.py, poisoned).
+        Scratch<float, 0> act_buffer(aoff[E]);
+        Scratch<uint32_t, 0> act2_buffer(bf ? aoff[E] / 2 : 0);
+        Scratch<uint16_t, 0> actr_buffer(bf ? roff[E] * I : 0);
+        float* act = act_buffer.data();
+        uint32_t* act2 = act2_buffer.data();
+        uint16_t* actr = actr_buffer.data();  // the dot-form tokens' act rows, bf16, token-major
         const size_t ldmax = *std::max_element(ld.begin(), ld.end());
-        std::vector<uint32_t> act2(bf ? aoff[E] / 2 : 0);
-        std::vector<uint16_t> actr(bf ? roff[E] * I : 0);  // the dot-form tokens' act rows, bf16, token-major
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
         const size_t tiles = (I + kGateRows - 1) / kGateRows;
@@ -505,7 +511,7 @@ public:
                 rows.resize(m);
                 for (size_t i = 0; i < m; ++i)
                     rows[i] = xp + token[b + i] * H;
-                float* a = act.data() + aoff[e];
+                float* a = act + aoff[e];
                 if (m <= kDirect) {
                     g.resize(kGateRows);
                     u.resize(kGateRows);
@@ -551,9 +557,9 @@ public:
                     for (size_t t = 0; t < n; ++t)  // padded columns: silu(0) * 0 = 0
                         a[(r0 + c) * n + t] = silu(g[c * n + t]) * u[c * n + t];
                 if (bf) {  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even), the dot-form tokens' as rows
-                    bf16::pair_columns(a + r0 * n, nr, n, lanes[e], act2.data() + (aoff[e] + r0 * n) / 2);
+                    bf16::pair_columns(a + r0 * n, nr, n, lanes[e], act2 + (aoff[e] + r0 * n) / 2);
                     if (rem[e] > 0)
-                        bf16::rows_of_columns(a + r0 * n + lanes[e], nr, n, rem[e], actr.data() + roff[e] * I + r0, I);
+                        bf16::rows_of_columns(a + r0 * n + lanes[e], nr, n, rem[e], actr + roff[e] * I + r0, I);
                 }
             }
         });
@@ -562,7 +568,7 @@ public:
             for (size_t e : present)
                 if (start[e + 1] - start[e] <= kDirect)
                     for (size_t i = 0; i < start[e + 1] - start[e]; ++i)
-                        q16::quantize(act.data() + aoff[e] + i * I, I, down.group, down.w4, aq[start[e] + i]);
+                        q16::quantize(act + aoff[e] + i * I, I, down.group, down.w4, aq[start[e] + i]);
 
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
@@ -580,7 +586,7 @@ public:
                 const size_t c0 = task * kDownRows, nc = std::min(kDownRows, H - c0);
                 for (size_t e : present) {
                     const size_t b = start[e], m = start[e + 1] - b;
-                    const float* a = act.data() + aoff[e];
+                    const float* a = act + aoff[e];
                     if (m <= kDirect) {
                         for (size_t i = 0; i < m; ++i) {
                             if (use_q16)
@@ -597,8 +603,8 @@ public:
                     const size_t n = ld[e];
                     if (bf) {
                         for (size_t j = 0; j < rem[e]; ++j)
-                            xr[j] = actr.data() + (roff[e] + j) * I;
-                        bf16::products(down, e, c0, nc, act2.data() + aoff[e] / 2, n, lanes[e] / 16, xr, rem[e], dacc.data(),
+                            xr[j] = actr + (roff[e] + j) * I;
+                        bf16::products(down, e, c0, nc, act2 + aoff[e] / 2, n, lanes[e] / 16, xr, rem[e], dacc.data(),
                                        tile16.data(), scales.data(), out.data(), n);
                     } else {
                         products(down, e, c0, nc, a, n, n / 8, tile.data(), out.data(), n);
