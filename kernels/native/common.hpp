@@ -9,7 +9,7 @@
 
 namespace iq36 {
 
-// `IQ36_NATIVE_POISON=1`: every `scratch` buffer is filled with all-ones bytes (NaN as f32 and
+// `IQ36_NATIVE_POISON=1`: every `Scratch` buffer is filled with all-ones bytes (NaN as f32 and
 // bf16) at every call, so a test sees any element read before the call wrote it.
 inline bool poison_scratch() {
     static const bool yes = [] {
@@ -19,12 +19,12 @@ inline bool poison_scratch() {
     return yes;
 }
 
-// A buffer of at least n elements kept between calls, one per calling thread and Tag: it grows,
+// A buffer of at least n elements kept between calls, one per calling thread and element type: it grows,
 // never shrinks, and holds whatever the last call left. A large std::vector per call is a fresh
 // mmap (glibc serves blocks above 32 MB so) whose every page faults in again, zeroed, at each
 // call. Should the same thread ask for the same buffer while it is held (a nested call), it gets
 // a buffer of its own for that call.
-template <class T, int Tag>
+template <class T>
 class Scratch {
 public:
     explicit Scratch(size_t n) {

@@ -483,9 +483,9 @@ public:
         // Kept between calls (`Scratch`): a prefill chunk's act is T x k x I floats (64 MB at 4096
         // tokens), which as a fresh vector per call was a fresh mmap faulted in page by page.
         // Every element a call reads it has written first (tests/test_native.py, poisoned).
-        Scratch<float, 0> act_buffer(aoff[E]);
-        Scratch<uint32_t, 0> act2_buffer(bf ? aoff[E] / 2 : 0);
-        Scratch<uint16_t, 0> actr_buffer(bf ? roff[E] * I : 0);
+        Scratch<float> act_buffer(aoff[E]);
+        Scratch<uint32_t> act2_buffer(bf ? aoff[E] / 2 : 0);
+        Scratch<uint16_t> actr_buffer(bf ? roff[E] * I : 0);
         float* act = act_buffer.data();
         uint32_t* act2 = act2_buffer.data();
         uint16_t* actr = actr_buffer.data();  // the dot-form tokens' act rows, bf16, token-major
