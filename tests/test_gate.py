@@ -43,7 +43,10 @@ def test_smoke_gate_writes_all_outputs_and_claims_nothing(tiny_dir: Path, tmp_pa
         roof = case["roofline"]
         # (no upper bound: dev-tiny's 41 MB per token partly stays in the CPU's caches)
         assert roof["bytes_per_token"] > roof["lm_head_bytes"] > 0 and roof["candidate_share"] > 0
-    assert report["bandwidth"]["read_bandwidth_bytes_s"] > 0
+    # one read-bandwidth probe before the runs and one in each of the 2 blocks; the median counts
+    samples = report["bandwidth"]["read_samples_bytes_s"]
+    assert len(samples) == 3 and all(x > 0 for x in samples)
+    assert report["bandwidth"]["read_bandwidth_bytes_s"] == pytest.approx(sorted(samples)[1])
     assert "smoke run" in (out / "report.md").read_text()
     assert "memory-bandwidth roofline" in (out / "report.md").read_text()
     for png in ("ratios.png", "tpot.png", "memory.png"):
@@ -109,6 +112,14 @@ def test_a_failed_correctness_case_makes_a_complete_gate_not_claimable(tmp_path:
     assert roof["tok_s"] == pytest.approx(1e10 / roof["bytes_per_token"])
     assert roof["candidate_share"] == pytest.approx(12.0 / roof["tok_s"])
     assert roof["baseline_share"] == pytest.approx(10.0 / roof["tok_s"])
+    # with samples taken in the blocks, the roofline takes the median of all probes
+    (tmp_path / "bandwidth.jsonl").write_text("".join(json.dumps({"block": b, "read_bandwidth_bytes_s": x}) + "\n"
+                                                      for b, x in enumerate((3e10, 2e10))))
+    report = build_report(opts, tmp_path, sessions)
+    assert report["bandwidth"]["read_bandwidth_bytes_s"] == pytest.approx(2e10)
+    assert report["bandwidth"]["first_read_bandwidth_bytes_s"] == pytest.approx(1e10)
+    assert report["cases"][0]["roofline"]["tok_s"] == pytest.approx(2e10 / roof["bytes_per_token"])
+    assert "median of 3 probes" in render_markdown(report) and "10.0-30.0 GB/s" in render_markdown(report)
     hard = {"position": 7, "stock_token": 11, "candidate_token": 12, "margin": 0.5, "near_tie": False}
     failed = {**good, "greedy_match": False, "passed": False, "first_divergence": hard, "hard_divergences": [hard]}
     (tmp_path / "correctness.jsonl").write_text(json.dumps(failed) + "\n")

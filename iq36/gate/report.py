@@ -172,7 +172,7 @@ def build_report(opts: Any, out: Path, sessions: list[Any]) -> dict[str, Any]:
         worst = {k: min((c[k] for c in mine if c[k] is not None), default=None)
                  for k in ("prefill_lcb", "decode_lcb", "total_lcb")}
         buckets.append({"bucket": bucket, **worst})
-    bandwidth = json.loads((out / "roofline.json").read_text()) if (out / "roofline.json").exists() else None
+    bandwidth = _bandwidth(out)
     if bandwidth is not None:
         _add_roofline(opts, cases, bandwidth)
     correctness_ok = all(c["correctness"] is not None and c["correctness"]["passed"] for c in cases)
@@ -190,6 +190,17 @@ def build_report(opts: Any, out: Path, sessions: list[Any]) -> dict[str, Any]:
         "cases": cases,
         "bandwidth": bandwidth,
     }
+
+
+def _bandwidth(out: Path) -> dict[str, Any] | None:
+    """roofline.json (the probe before the first run) with the read-bandwidth samples taken
+    before each block (bandwidth.jsonl); the roofline uses the median of all of them."""
+    if not (out / "roofline.json").exists():
+        return None
+    first = json.loads((out / "roofline.json").read_text())
+    samples = [first["read_bandwidth_bytes_s"]] + [r["read_bandwidth_bytes_s"] for r in _read(out / "bandwidth.jsonl")]
+    return {**first, "first_read_bandwidth_bytes_s": first["read_bandwidth_bytes_s"],
+            "read_samples_bytes_s": samples, "read_bandwidth_bytes_s": float(np.median(samples))}
 
 
 def _add_roofline(opts: Any, cases: list[dict[str, Any]], bandwidth: dict[str, Any]) -> None:
@@ -213,6 +224,14 @@ def _read(path: Path) -> list[dict[str, Any]]:
     from iq36.gate.run import _read_jsonl
 
     return _read_jsonl(path)
+
+
+def _samples(bw: dict[str, Any]) -> str:
+    samples = bw.get("read_samples_bytes_s") or [bw["read_bandwidth_bytes_s"]]
+    if len(samples) == 1:
+        return "one probe before the runs"
+    return (f"median of {len(samples)} probes, one before the runs and one in each block: "
+            f"{min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f} GB/s")
 
 
 def _fmt(x: Any, spec: str = ".2f") -> str:
@@ -267,7 +286,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if bw:
         lines += ["", "## Decode against the memory-bandwidth roofline", "",
                   f"Read bandwidth {bw['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s at {bw['threads']} threads "
-                  f"(STREAM-style probe; copy {bw['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s). Roofline = "
+                  f"(STREAM-style probe; {_samples(bw)}; copy {bw['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s). "
+                  "Roofline = "
                   "bandwidth / bytes one decode step must read (weights with top-k experts, recurrent state, "
                   "KV at the bucket's context).", "",
                   "| bucket | class | MB/token (LM head) | roofline tok/s | candidate share | baseline share |",

@@ -166,10 +166,11 @@ def run(opts: GateOptions, out: Path, resume: bool = False, progress: bool = Tru
         options_file.write_bytes(msgspec.json.format(msgspec.json.encode(opts)))
         machine_file.write_text(json.dumps(machine, indent=1) + "\n")
 
-    roofline_file = out / "roofline.json"
+    roofline_file, bandwidth_file = out / "roofline.json", out / "bandwidth.jsonl"
     if not roofline_file.exists():
-        # once per gate, before any timed run (the probe keeps both cores busy for seconds)
+        # read and copy bandwidth before any timed run (the probe keeps both cores busy for seconds)
         roofline_file.write_text(json.dumps(measure_bandwidth(opts.profile), indent=1) + "\n")
+    probed = {r["block"] for r in _read_jsonl(bandwidth_file)}
     sessions = plan(opts)
     records = _read_jsonl(runs_file)
     done = {r["session_done"] for r in records if "session_done" in r}
@@ -182,6 +183,13 @@ def run(opts: GateOptions, out: Path, resume: bool = False, progress: bool = Tru
         for session in sessions:
             if session.key in done:
                 continue
+            if session.slot == len(SLOTS) // 2 and session.block not in probed:
+                # the read bandwidth again in each block: this machine's drifted by a third between
+                # gates (47-69 GB/s), so the roofline takes the median of these samples. Between
+                # the block's two candidate sessions: any cost of the probe falls on the candidate
+                _append(bandwidth_file, {"block": session.block,
+                                         "read_bandwidth_bytes_s": measure_read_bandwidth(opts.profile)})
+                probed.add(session.block)
             # drop partial records of a session that was interrupted: it reruns whole
             cache = paths.home() / "compile-cache" / f"{session.engine_config}-{fingerprint[7:19]}"
             spec = SessionSpec(engine=session.engine, engine_config=session.engine_config,
@@ -211,16 +219,28 @@ def run(opts: GateOptions, out: Path, resume: bool = False, progress: bool = Tru
     return write_report(opts, out, sessions)
 
 
-def measure_bandwidth(profile_name: str) -> dict[str, Any]:
-    """This machine's read and copy bandwidth at the candidate's thread count (decode roofline)."""
+def _probe_threads(profile_name: str) -> int:
     import os
 
-    from iq36.gate import roofline
     from iq36.profile import load
 
-    threads = int(load(profile_name).engine.properties.get("INFERENCE_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
+    return int(load(profile_name).engine.properties.get("INFERENCE_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
+
+
+def measure_bandwidth(profile_name: str) -> dict[str, Any]:
+    """This machine's read and copy bandwidth at the candidate's thread count (decode roofline)."""
+    from iq36.gate import roofline
+
+    threads = _probe_threads(profile_name)
     return {"threads": threads, "read_bandwidth_bytes_s": roofline.read_bandwidth(threads),
             "copy_bandwidth_bytes_s": roofline.copy_bandwidth(threads)}
+
+
+def measure_read_bandwidth(profile_name: str) -> float:
+    """Read bandwidth alone (the per-block sample), at the candidate's thread count."""
+    from iq36.gate import roofline
+
+    return roofline.read_bandwidth(_probe_threads(profile_name))
 
 
 def machine_identity() -> dict[str, Any]:
