@@ -84,6 +84,15 @@ def bf16_supported() -> bool:
     return all(f in cpu_flags() for f in BF16_CPU_FLAGS)
 
 
+# AMX-BF16 (`U4Experts`' bf16 lane form on tiles, u4_experts_amx.hpp); the op also needs the
+# kernel to grant the tile state, which it asks for itself.
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+
+
+def amx_supported() -> bool:
+    return bf16_supported() and all(f in cpu_flags() for f in AMX_CPU_FLAGS)
+
+
 def require_cpu(kernel: str, error: type[Exception]) -> None:
     """Raise `error` naming `kernel` if this CPU cannot run the native ops."""
     if not cpu_supported():

@@ -209,6 +209,53 @@ def test_u4_experts_bf16_few_tokens(nibbles: bool) -> None:
                       nibbles=nibbles, bf16=True)
 
 
+_AMX_CHECKS = """
+import sys
+import numpy as np
+from tests import test_native as t
+
+counts = [3, 11, 17, 40, 70, 1]  # dot form; one padded vector; 2, 3 (a pair and one), 5 vectors; `direct`
+rng = np.random.default_rng(23)
+idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
+out = []
+for nibbles in (False, True):
+    # gate/up in groups of 32 (AMX): tasks of 128 and 40 rows (two 16-row blocks, then 8 rows on the
+    # vector tiles); down in groups of 56 (vector tiles only). tol 1e-4: an act value within an f32
+    # ulp of a bf16 rounding boundary rounds the other way than float64's (both paths; ~3e-5 here)
+    out.append(t._check_u4_experts(np.random.default_rng(1), idx, 0, np.float16, experts=len(counts), hidden=544,
+                                   width=168, groups=(32, 56), nibbles=nibbles, bf16=True, tol=1e-4))
+    # down in groups of 64 (AMX): 552 output rows, tasks of 128 and a 40-row one; gate/up in 24s
+    out.append(t._check_u4_experts(np.random.default_rng(2), idx, 0, np.float16, experts=len(counts), hidden=552,
+                                   width=192, groups=(24, 64), nibbles=nibbles, bf16=True, tol=1e-4))
+np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
+print("checked")
+"""
+
+
+@pytest.mark.skipif(not native.bf16_supported(), reason=f"needs a CPU with {', '.join(native.BF16_CPU_FLAGS)}")
+def test_u4_experts_amx_tiles(tmp_path: Path) -> None:
+    """The bf16 lane form on AMX tiles (u4_experts_amx.hpp) where the CPU has AMX-BF16, and with
+    IQ36_AMX=0 on the vector tiles: both against float64 as `test_u4_experts_bf16_tiles`, for
+    groups of 32 and 64 inputs in stage 1 and in stage 2, 16-row blocks in pairs and alone, rows
+    past the last whole block, token vectors in pairs and alone. With AMX the two outputs differ
+    (the order of the f32 sums), which shows the tiles ran; without it they are the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    got = {}
+    for amx in ("0", "1"):
+        done = subprocess.run([sys.executable, "-c", _AMX_CHECKS, str(tmp_path / f"amx{amx}.npy")], cwd=root,
+                              capture_output=True, text=True, env={**os.environ, "IQ36_AMX": amx}, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        got[amx] = np.load(tmp_path / f"amx{amx}.npy")
+    if native.amx_supported():
+        assert not np.array_equal(got["0"], got["1"])
+    else:
+        np.testing.assert_array_equal(got["0"], got["1"])
+
+
 _POISONED_CHECKS = """
 import numpy as np
 from kernels import native

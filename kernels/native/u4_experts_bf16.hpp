@@ -19,6 +19,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+
+#include "u4_experts_amx.hpp"
 
 // Included by u4_experts.hpp after its `experts` helpers (Packed, value, slice_of, token_blocks).
 
@@ -260,11 +263,21 @@ IQ36_BF16 inline void products(const Packed& m, size_t e, size_t r0, size_t n, c
                                size_t ldo) {
     const size_t K = m.in(), ks = slice_of(m);
     const uint16_t* xs[kDotTokens];
+    // AMX tiles for the lane form's whole 16-row blocks, where the CPU has them; the vector tiles
+    // for the rows after them and everywhere else
+    const bool tiles = vecs > 0 && n >= 16 && amx::fits(m.group);
+    const size_t vrows = tiles ? n / 16 * 16 : 0;
+    std::optional<amx::TileScope> scope;
+    if (tiles)
+        scope.emplace();
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0);
         decompress(m, e, r0, n, k0, kn, tile, scales);
-        if (vecs > 0)
-            gemm(tile, scales, m.group, n, kn, xp + (k0 / 2) * ldx, ldx, vecs, o, ldo, k0 > 0);
+        if (tiles)
+            amx::gemm(tile, scales, m.group, n, kn, xp + (k0 / 2) * ldx, ldx, vecs, o, ldo, k0 > 0);
+        if (vecs > 0 && vrows < n)
+            gemm(tile + vrows * kn, scales + vrows * (kn / m.group), m.group, n - vrows, kn, xp + (k0 / 2) * ldx, ldx, vecs,
+                 o + vrows * ldo, ldo, k0 > 0);
         if (rem > 0) {
             for (size_t j = 0; j < rem; ++j)
                 xs[j] = xr[j] + k0;
