@@ -181,6 +181,14 @@ struct Weights {
 };
 
 // y[n] for one weight row against one rounded row of u8 weights' x.
+#ifndef IQ36_U8_AHEAD
+#define IQ36_U8_AHEAD 4096
+#endif
+constexpr size_t kU8Ahead = IQ36_U8_AHEAD;
+#ifndef IQ36_U4_AHEAD
+#define IQ36_U4_AHEAD 8192
+#endif
+
 inline float dot_u8(const Weights& W, size_t n, const Row& r) {
     const size_t groups = W.K / W.group, per = W.group / kBlock;
     const uint8_t* row = W.w + n * W.K;
@@ -194,6 +202,8 @@ inline float dot_u8(const Weights& W, size_t n, const Row& r) {
     for (size_t g = 0; g < groups; ++g) {
         const float s = W.scale(n * groups + g);
         for (size_t b = g * per; b < (g + 1) * per; ++b) {
+            for (size_t line = 0; line < kBlock; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(row + b * kBlock + line + kU8Ahead), _MM_HINT_T0);
             __m256i hi_sum, lo_sum;
             block_u8(row + b * kBlock, q + b * kBlock, lo + b * kBlock, hi_sum, lo_sum);
             const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum), unit, _mm256_cvtepi32_ps(hi_sum));
