@@ -14,7 +14,9 @@ CPU only; mutually exclusive with `phase_experts` (the engine refuses both).
 an AVX512-BF16 CPU) and the CPU has AVX512-BF16, the op's tiles take bf16 dot products
 (kernels/native/u4_experts_bf16.hpp): (q - z) exact in bf16, the group's scale on the group's
 f32 sum, the activations rounded to bf16 as the plugin's own bf16 nodes round theirs (the
-block's input already is bf16 there). Decode rows (one or two per expert) keep their paths.
+block's input already is bf16 there). Where the CPU also has AMX-BF16, the tiles' whole 16-row
+blocks take AMX tile products with the same numerics (kernels/native/u4_experts_amx.hpp;
+`IQ36_AMX=0` keeps the vector tiles). Decode rows (one or two per expert) keep their paths.
 """
 
 from __future__ import annotations

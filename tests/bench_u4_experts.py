@@ -5,7 +5,8 @@
 One routed-experts block (hidden 2048, expert 512, top-8, u4 asym group-128 weights passed as
 their packed bytes, as `q16_decode` hands them over), random routing, tokens rounded to bf16.
 Prints the median and minimum time of one call per token count (after one untimed call). The
-bf16 tiles run where the CPU has AVX512-BF16 (`--f32`: the f32 tiles). To compare two builds of
+bf16 tiles run where the CPU has AVX512-BF16, on AMX tiles where it has AMX-BF16 (`IQ36_AMX=0`:
+the vector tiles; `--f32`: the f32 tiles). To compare two builds of
 the op, change a tuning macro in `kernels/native/*.hpp` (the build cache is keyed by content) and
 run this once per build: docs/perf-log.md, session 11.
 """
