@@ -227,6 +227,10 @@ for nibbles in (False, True):
     # down in groups of 64 (AMX): 552 output rows, tasks of 128 and a 40-row one; gate/up in 24s
     out.append(t._check_u4_experts(np.random.default_rng(2), idx, 0, np.float16, experts=len(counts), hidden=552,
                                    width=192, groups=(24, 64), nibbles=nibbles, bf16=True, tol=1e-4))
+    # both stages on AMX (groups of 32 and 64): the 3-token expert takes a padded vector of 16
+    # tokens there instead of the dot form
+    out.append(t._check_u4_experts(np.random.default_rng(3), idx, 0, np.float16, experts=len(counts), hidden=544,
+                                   width=192, groups=(32, 64), nibbles=nibbles, bf16=True, tol=1e-4))
 np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
 print("checked")
 """
@@ -237,7 +241,8 @@ def test_u4_experts_amx_tiles(tmp_path: Path) -> None:
     """The bf16 lane form on AMX tiles (u4_experts_amx.hpp) where the CPU has AMX-BF16, and with
     IQ36_AMX=0 on the vector tiles: both against float64 as `test_u4_experts_bf16_tiles`, for
     groups of 32 and 64 inputs in stage 1 and in stage 2, 16-row blocks in pairs and alone, rows
-    past the last whole block, token vectors in pairs and alone. With AMX the two outputs differ
+    past the last whole block, token vectors in pairs and alone, and where both stages take the
+    tiles a 3-token expert as a padded vector (not the dot form). With AMX the two outputs differ
     (the order of the f32 sums), which shows the tiles ran; without it they are the same bits."""
     import os
     import subprocess

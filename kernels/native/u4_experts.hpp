@@ -466,14 +466,18 @@ public:
                         kGateRows % 2 == 0;
         // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them;
         // bf16 tiles: to 16, whole zmm vectors), or [m, I] rows for an expert with at most kDirect
-        // rows (taken by `direct`). bf16 tiles: an expert with at most kDotTokens rows takes the
+        // rows (taken by `direct`). bf16 vector tiles: an expert with at most kDotTokens rows takes the
         // dot form instead of one padded vector (`lanes` columns, then `rem` dot-form tokens).
         const size_t pad = bf ? 16 : 8;
+        // On AMX tiles a padded vector of 16 tokens costs one tile product per 16 rows x 32
+        // inputs whatever it holds, so a few-token expert takes the lane form there too (in both
+        // stages: both groups must suit the tiles) instead of the vector dot products.
+        const size_t dot_tokens = bf && amx::fits(gate.group) && amx::fits(down.group) ? 0 : bf16::kDotTokens;
         std::vector<size_t> aoff(E + 1, 0), ld(E, 0), lanes(E, 0), rem(E, 0), roff(E + 1, 0);
         for (size_t e = 0; e < E; ++e) {
             const size_t m = start[e + 1] - start[e];
             if (m > kDirect) {
-                const bool dot = bf && m <= bf16::kDotTokens;
+                const bool dot = bf && m <= dot_tokens;
                 lanes[e] = dot ? 0 : (m + pad - 1) / pad * pad;
                 rem[e] = dot ? m : 0;
                 ld[e] = lanes[e] + rem[e];
