@@ -180,7 +180,8 @@ struct Weights {
     int zero(size_t i) const { return z4 ? ((i & 1) ? z[i >> 1] >> 4 : z[i >> 1] & 0x0F) : z[i]; }
 };
 
-// y[n] for one weight row against one rounded row of u8 weights' x.
+// How far ahead in a task's weight rows the products prefetch: u8 rows (the LM head) 4 KB,
+// u4 rows 8 KB (docs/perf-log.md, sessions 7, 13 and 16).
 #ifndef IQ36_U8_AHEAD
 #define IQ36_U8_AHEAD 4096
 #endif
@@ -189,6 +190,7 @@ constexpr size_t kU8Ahead = IQ36_U8_AHEAD;
 #define IQ36_U4_AHEAD 8192
 #endif
 
+// y[n] for one weight row against one rounded row of u8 weights' x.
 inline float dot_u8(const Weights& W, size_t n, const Row& r) {
     const size_t groups = W.K / W.group, per = W.group / kBlock;
     const uint8_t* row = W.w + n * W.K;
