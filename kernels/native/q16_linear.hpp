@@ -189,6 +189,7 @@ constexpr size_t kU8Ahead = IQ36_U8_AHEAD;
 #ifndef IQ36_U4_AHEAD
 #define IQ36_U4_AHEAD 8192
 #endif
+constexpr size_t kU4Ahead = IQ36_U4_AHEAD;
 
 // y[n] for one weight row against one rounded row of u8 weights' x.
 inline float dot_u8(const Weights& W, size_t n, const Row& r) {
