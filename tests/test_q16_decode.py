@@ -103,13 +103,13 @@ def test_q16_linear_u4_as_exported(k: int, group: int, scale_type: type) -> None
     """The op evaluated without the plugin, so u4 zero points and f16 scales reach it as exported
     (a compiled model hands it u8 and f32 copies): the row's scales and zero points are read
     eight, then four groups at a time where they can be (one-block groups; a row starting at an
-    odd zero-point nibble, as row 1 of 9 groups does, takes the scalar path), every output to
-    f32 accuracy."""
+    odd zero-point nibble, as row 1 of 9 groups does, takes the scalar path), and eight rows'
+    at once (rows 0-7 of 4 and 16 groups), every output to f32 accuracy."""
     import openvino as ov
     from openvino import opset15 as op
 
     rng = np.random.default_rng(k + group)
-    n = 5
+    n = 13
     inputs, dense = _weights(rng, "u4", n, k, group, scale_type)
     w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
     node = native.factory().create("Q16Linear", [op.parameter([2, k], np.float32), w, *inputs[1:]],
