@@ -53,6 +53,39 @@ def test_gated_delta_rule_is_the_loop_body(tokens: int, dk: int, dv: int) -> Non
     assert np.abs(s - want_s).max() <= 1e-5 * max(1.0, float(np.abs(want_s).max()))
 
 
+@pytest.mark.parametrize("dv", [24, 20])
+def test_gated_delta_rule_decode_steps_are_the_chunk(dv: int) -> None:
+    """Tokens fed one call each (decode: the state read from the input and streamed to the
+    output, dv a multiple of 8; dv = 20 takes the chunk path) give the same bits, outputs and
+    state, as the same tokens in one chunk: per element the same operations in the same order."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    rng = np.random.default_rng(dv)
+    b, h, tokens, dk = 1, 3, 3, 16
+    q, k = ((rng.standard_normal((b, h, tokens, dk)) / np.sqrt(dk)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((b, h, tokens, dv)).astype(np.float32)
+    g = -rng.random((b, h, tokens)).astype(np.float32)
+    beta = rng.random((b, h, tokens)).astype(np.float32)
+    state = rng.standard_normal((b, h, dk, dv)).astype(np.float32)
+
+    def run(n: int, s: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray]:
+        values = [x[:, :, at:at + n] for x in (q, k, v, g, beta)] + [s]
+        params = [op.parameter(list(x.shape), np.float32, name=f"p{i}") for i, x in enumerate(values)]
+        node = native.factory().create("GatedDeltaRule", params)
+        request = ov.Core().compile_model(ov.Model(node.outputs(), params), "CPU").create_infer_request()
+        got = request.infer({f"p{i}": np.ascontiguousarray(x) for i, x in enumerate(values)})
+        return np.array(got[0]), np.array(got[1])
+
+    chunk_out, chunk_state = run(tokens, state, 0)
+    s, outs = state, []
+    for t in range(tokens):
+        out, s = run(1, s, t)
+        outs.append(out)
+    assert np.array_equal(np.concatenate(outs, axis=2), chunk_out)
+    assert np.array_equal(s, chunk_state)
+
+
 def test_every_linear_attention_loop_is_replaced(tiny_dir: Path) -> None:
     import openvino as ov
 

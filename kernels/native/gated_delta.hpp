@@ -19,7 +19,8 @@
 // How: one task per (batch, head); the state stays in that task's cache for the whole chunk and
 // is walked once per token (the previous token's update + out, then this token's decay + kv:
 // `sweep`) instead of the loop's five full-tensor ops, each with its own buffers and threading.
-// Sums run over i in order, vectorised over j.
+// Sums run over i in order, vectorised over j. A decode step (T = 1) reads the state from the
+// input and writes the output state once, streamed (`head_one`).
 #pragma once
 
 #include <immintrin.h>
@@ -34,6 +35,8 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include "common.hpp"
+
 namespace iq36 {
 
 namespace gdn {
@@ -43,18 +46,20 @@ namespace gdn {
 // kv = k . S). Per element the same operations in the same order as two separate passes per
 // token (decay + kv, then update + out), so the same bits: the state is read and written once
 // per token instead of twice (it is 64 KB a head at 128 x 128, beyond L1: the passes were bound
-// by moving it through L2).
-template <bool kUpdate, bool kDecay>
-inline void sweep(float* S, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op, float decay_s,
-                  const float* kt, float* kv) {
+// by moving it through L2). The rows are read from `src` and written to `dst` (the same buffer
+// in a chunk); kStream writes the vector part with non-temporal stores (dst 32-byte aligned).
+template <bool kUpdate, bool kDecay, bool kStream = false>
+inline void sweep(const float* src, float* dst, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op,
+                  float decay_s, const float* kt, float* kv) {
     const __m256 decay = _mm256_set1_ps(decay_s);
     for (size_t i = 0; i < dk; ++i) {
-        float* row = S + i * dv;
+        const float* in = src + i * dv;
+        float* row = dst + i * dv;
         const __m256 kpi = _mm256_set1_ps(kUpdate ? kp[i] : 0.0f), qpi = _mm256_set1_ps(kUpdate ? qp[i] : 0.0f);
         const __m256 ki = _mm256_set1_ps(kDecay ? kt[i] : 0.0f);
         size_t j = 0;
         for (; j + 8 <= dv; j += 8) {
-            __m256 s = _mm256_loadu_ps(row + j);
+            __m256 s = _mm256_loadu_ps(in + j);
             if constexpr (kUpdate) {
                 s = _mm256_fmadd_ps(kpi, _mm256_loadu_ps(dp + j), s);
                 _mm256_storeu_ps(op + j, _mm256_fmadd_ps(s, qpi, _mm256_loadu_ps(op + j)));
@@ -63,17 +68,22 @@ inline void sweep(float* S, size_t dk, size_t dv, const float* kp, const float* 
                 s = _mm256_mul_ps(s, decay);
                 _mm256_storeu_ps(kv + j, _mm256_fmadd_ps(s, ki, _mm256_loadu_ps(kv + j)));
             }
-            _mm256_storeu_ps(row + j, s);
+            if constexpr (kStream)
+                _mm256_stream_ps(row + j, s);
+            else
+                _mm256_storeu_ps(row + j, s);
         }
         for (; j < dv; ++j) {
+            float s = in[j];
             if constexpr (kUpdate) {
-                row[j] += kp[i] * dp[j];
-                op[j] += row[j] * qp[i];
+                s += kp[i] * dp[j];
+                op[j] += s * qp[i];
             }
             if constexpr (kDecay) {
-                row[j] *= decay_s;
-                kv[j] += row[j] * kt[i];
+                s *= decay_s;
+                kv[j] += s * kt[i];
             }
+            row[j] = s;
         }
     }
 }
@@ -90,11 +100,11 @@ inline void head(const float* q, const float* k, const float* v, const float* g,
         const float* kt = k + t * dk;
         std::fill(cur, cur + dv, 0.0f);  // kv, then delta in place
         if (t == 0) {
-            sweep<false, true>(S, dk, dv, nullptr, nullptr, nullptr, nullptr, std::exp(g[t]), kt, cur);
+            sweep<false, true>(S, S, dk, dv, nullptr, nullptr, nullptr, nullptr, std::exp(g[t]), kt, cur);
         } else {
             float* op = out + (t - 1) * dv;
             std::fill(op, op + dv, 0.0f);
-            sweep<true, true>(S, dk, dv, k + (t - 1) * dk, prev, q + (t - 1) * dk, op, std::exp(g[t]), kt, cur);
+            sweep<true, true>(S, S, dk, dv, k + (t - 1) * dk, prev, q + (t - 1) * dk, op, std::exp(g[t]), kt, cur);
         }
         const float* vt = v + t * dv;
         const float b = beta[t];
@@ -105,8 +115,24 @@ inline void head(const float* q, const float* k, const float* v, const float* g,
     if (T > 0) {
         float* op = out + (T - 1) * dv;
         std::fill(op, op + dv, 0.0f);
-        sweep<true, false>(S, dk, dv, k + (T - 1) * dk, prev, q + (T - 1) * dk, op, 1.0f, nullptr, nullptr);
+        sweep<true, false>(S, S, dk, dv, k + (T - 1) * dk, prev, q + (T - 1) * dk, op, 1.0f, nullptr, nullptr);
     }
+}
+
+// One head, one token (a decode step): the same two sweeps as `head` with T = 1, but the first
+// reads the state before the step from `s0` and leaves the decayed rows in `scratch` (dk x dv,
+// kept in cache), and the second writes the state after the step to `s1` with non-temporal
+// stores. `head` copies s0 to s1 first and walks s1 twice: the copy's read-for-ownership of s1
+// and its write-back made three DRAM transfers of the state per step where two are needed (the
+// state, 2 MB per layer at 32 heads, is evicted by the weights between steps). Same bits.
+inline void head_one(const float* q, const float* k, const float* v, float g, float beta, size_t dk, size_t dv, const float* s0,
+                     float* s1, float* out, float* delta, float* scratch) {
+    std::fill(delta, delta + dv, 0.0f);  // kv, then delta in place
+    sweep<false, true>(s0, scratch, dk, dv, nullptr, nullptr, nullptr, nullptr, std::exp(g), k, delta);
+    for (size_t j = 0; j < dv; ++j)
+        delta[j] = (v[j] - delta[j]) * beta;
+    std::fill(out, out + dv, 0.0f);
+    sweep<true, false, true>(scratch, s1, dk, dv, k, delta, q, out, 1.0f, nullptr, nullptr);
 }
 
 }  // namespace gdn
@@ -156,9 +182,20 @@ public:
         const float* s0 = inputs[5].data<const float>();
         float* out = outputs[0].data<float>();
         float* s1 = outputs[1].data<float>();
+        // A decode step takes `head_one` where the state's rows suit 32-byte stores.
+        const bool one = T == 1 && dv % 8 == 0 && reinterpret_cast<uintptr_t>(s1) % 32 == 0;
         tbb::parallel_for(tbb::blocked_range<size_t>(0, B * H), [&](const tbb::blocked_range<size_t>& r) {
             thread_local std::vector<float> delta;
+            thread_local AlignedVector<float> scratch;
             delta.resize(2 * dv);
+            if (one) {
+                scratch.resize(dk * dv);
+                for (size_t bh = r.begin(); bh != r.end(); ++bh)
+                    gdn::head_one(q + bh * dk, k + bh * dk, v + bh * dv, g[bh], beta[bh], dk, dv, s0 + bh * dk * dv,
+                                  s1 + bh * dk * dv, out + bh * dv, delta.data(), scratch.data());
+                _mm_sfence();  // the streamed state is visible before the op returns
+                return;
+            }
             for (size_t bh = r.begin(); bh != r.end(); ++bh) {
                 float* S = s1 + bh * dk * dv;
                 std::copy_n(s0 + bh * dk * dv, dk * dv, S);
