@@ -102,6 +102,10 @@ inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0
                 }
             }
             const uint8_t* src = m.w + (gi * m.group >> 1);
+            // the same row's next slice, as the bf16 tiles do (u4_experts_bf16.hpp): a slice is a
+            // few lines of each of its rows, which otherwise arrive one demand miss at a time
+            for (size_t line = 0; m.w4 && line < m.group / 2; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(src + kn / 2 + line), _MM_HINT_T0);
             for (; m.w4 && j + 16 <= m.group; j += 16) {
                 const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j / 2)));
                 const __m128i v = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
