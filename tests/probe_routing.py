@@ -25,11 +25,6 @@ import numpy as np
 OUTPUT = "iq36_probe_router_"
 
 
-def _log_softmax(v: np.ndarray) -> np.ndarray:
-    v = v.astype(np.float64) - v.max()
-    return v - np.log(np.exp(v).sum())
-
-
 def add_router_outputs(model: Any) -> tuple[list[str], int]:
     """Every Softmax feeding a TopK (a router) as an extra output `OUTPUT<i>`; names and the top-k."""
     names, k = [], 0
@@ -77,7 +72,7 @@ def main() -> int:
 
     import worker.engine.candidate as candidate_module
     from iq36.cli import resolve_model
-    from iq36.gate.correctness import CorrectnessSpec, _stock_greedy
+    from iq36.gate.correctness import CorrectnessSpec, _log_softmax, _stock_greedy
     from iq36.gate.prompts import build
     from iq36.profile import load
     from worker.reference import stateful_feed

@@ -26,13 +26,22 @@ def _rule(q, k, v, g, beta, state):
     return out, s
 
 
+def _rule_op(values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The native op on q, k, v, g, beta, state: its outputs and its state after them."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    params = [op.parameter(list(x.shape), np.float32, name=f"p{i}") for i, x in enumerate(values)]
+    node = native.factory().create("GatedDeltaRule", params)
+    request = ov.Core().compile_model(ov.Model(node.outputs(), params), "CPU").create_infer_request()
+    got = request.infer({f"p{i}": np.ascontiguousarray(x) for i, x in enumerate(values)})
+    return np.array(got[0]), np.array(got[1])
+
+
 @pytest.mark.parametrize(("tokens", "dk", "dv"), [(1, 16, 24), (7, 16, 20), (100, 32, 8)])
 def test_gated_delta_rule_is_the_loop_body(tokens: int, dk: int, dv: int) -> None:
     """Outputs and final state against the body's math in float64: one token (decode), a chunk,
     a long chunk; dv with and without a tail past the 8-wide vectors."""
-    import openvino as ov
-    from openvino import opset15 as op
-
     rng = np.random.default_rng(tokens)
     b, h = 1, 3
     q, k = (rng.standard_normal((b, h, tokens, dk)).astype(np.float32) / np.sqrt(dk) for _ in range(2))
@@ -41,12 +50,7 @@ def test_gated_delta_rule_is_the_loop_body(tokens: int, dk: int, dv: int) -> Non
     beta = rng.random((b, h, tokens)).astype(np.float32)
     state = rng.standard_normal((b, h, dk, dv)).astype(np.float32)
     values = [q, k, v, g, beta, state]
-    params = [op.parameter(list(x.shape), np.float32, name=f"p{i}") for i, x in enumerate(values)]
-    node = native.factory().create("GatedDeltaRule", params)
-    core = ov.Core()
-    request = core.compile_model(ov.Model(node.outputs(), params), "CPU").create_infer_request()
-    got = request.infer({f"p{i}": x for i, x in enumerate(values)})
-    out, s = np.array(got[0]), np.array(got[1])
+    out, s = _rule_op(values)
     want_out, want_s = _rule(*values)
     assert out.shape == want_out.shape and s.shape == want_s.shape
     assert np.abs(out - want_out).max() <= 1e-5 * max(1.0, float(np.abs(want_out).max()))
@@ -58,9 +62,6 @@ def test_gated_delta_rule_decode_steps_are_the_chunk(dv: int) -> None:
     """Tokens fed one call each (decode: the state read from the input and streamed to the
     output, dv a multiple of 8; dv = 20 takes the chunk path) give the same bits, outputs and
     state, as the same tokens in one chunk: per element the same operations in the same order."""
-    import openvino as ov
-    from openvino import opset15 as op
-
     rng = np.random.default_rng(dv)
     b, h, tokens, dk = 1, 3, 3, 16
     q, k = ((rng.standard_normal((b, h, tokens, dk)) / np.sqrt(dk)).astype(np.float32) for _ in range(2))
@@ -69,18 +70,10 @@ def test_gated_delta_rule_decode_steps_are_the_chunk(dv: int) -> None:
     beta = rng.random((b, h, tokens)).astype(np.float32)
     state = rng.standard_normal((b, h, dk, dv)).astype(np.float32)
 
-    def run(n: int, s: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray]:
-        values = [x[:, :, at:at + n] for x in (q, k, v, g, beta)] + [s]
-        params = [op.parameter(list(x.shape), np.float32, name=f"p{i}") for i, x in enumerate(values)]
-        node = native.factory().create("GatedDeltaRule", params)
-        request = ov.Core().compile_model(ov.Model(node.outputs(), params), "CPU").create_infer_request()
-        got = request.infer({f"p{i}": np.ascontiguousarray(x) for i, x in enumerate(values)})
-        return np.array(got[0]), np.array(got[1])
-
-    chunk_out, chunk_state = run(tokens, state, 0)
+    chunk_out, chunk_state = _rule_op([x[:, :, :tokens] for x in (q, k, v, g, beta)] + [state])
     s, outs = state, []
     for t in range(tokens):
-        out, s = run(1, s, t)
+        out, s = _rule_op([x[:, :, t:t + 1] for x in (q, k, v, g, beta)] + [s])
         outs.append(out)
     assert np.array_equal(np.concatenate(outs, axis=2), chunk_out)
     assert np.array_equal(s, chunk_state)
