@@ -34,10 +34,11 @@ MAX_STEPS = 10_000  # a runaway loop fails the test instead of hanging it
 REFERENCE = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 
 
-def chunk_logits(model_dir: Path, chunks: list[int], rewrite: Any = None, model: Any = None) -> Any:
+def chunk_logits(model_dir: Path, chunks: list[int], rewrite: Any = None, model: Any = None,
+                 properties: dict[str, Any] | None = None) -> Any:
     """Last-position logits (float64) after each chunk of random ids fed to `model` (default:
     `model_dir`'s IR with `last_token_logits`), then `rewrite(model)` if given, in the plugin's
-    reference mode."""
+    reference mode (`properties` added to it)."""
     import numpy as np
     import openvino as ov
 
@@ -51,7 +52,7 @@ def chunk_logits(model_dir: Path, chunks: list[int], rewrite: Any = None, model:
     if rewrite is not None:
         rewrite(model)
     names = {p.get_any_name() for p in model.inputs}
-    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
+    request = core.compile_model(model, "CPU", {**REFERENCE, **(properties or {})}).create_infer_request()
     rng = np.random.default_rng(0)
     rows, pos = [], 0
     for call, n in enumerate(chunks):

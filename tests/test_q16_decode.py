@@ -380,10 +380,11 @@ def test_a_model_without_compressed_matmuls_is_refused() -> None:
 
 # -- the decode graph (worker/engine/candidate.py: DECODE_GRAPH) ---------------------------------
 
-def _cpu_engine(model_dir: Path, decode_graph: bool, kv_f32: bool = False, **prefill: Any) -> Any:
-    """The candidate on the `cpu` profile's kernels with `decode_graph` set, the plugin in f32;
-    64-token chunks (and `prefill` overrides, e.g. a long-context profile); `kv_f32`: an f32 KV
-    cache instead of the plugin's default (u8 on the CPUs we run on)."""
+def _cpu_engine(model_dir: Path, decode_graph: bool, kv_f32: bool = False, kernels: dict[str, bool] | None = None,
+                **prefill: Any) -> Any:
+    """The candidate on the `cpu` profile's kernels with `decode_graph` set (and `kernels`), the
+    plugin in f32; 64-token chunks (and `prefill` overrides, e.g. a long-context profile);
+    `kv_f32`: an f32 KV cache instead of the plugin's default (u8 on the CPUs we run on)."""
     import msgspec
 
     from iq36.profile import PrefillSection, load
@@ -393,7 +394,7 @@ def _cpu_engine(model_dir: Path, decode_graph: bool, kv_f32: bool = False, **pre
     properties = {**profile.engine.properties, **REFERENCE, **({"KV_CACHE_PRECISION": "f32"} if kv_f32 else {})}
     profile = msgspec.structs.replace(profile, prefill=PrefillSection(**{"chunk_tokens": 64, **prefill}),
                                       engine=msgspec.structs.replace(profile.engine, properties=properties),
-                                      kernels={**profile.kernels, "decode_graph": decode_graph})
+                                      kernels={**profile.kernels, "decode_graph": decode_graph, **(kernels or {})})
     return create("candidate", model_dir, profile)
 
 
@@ -458,15 +459,34 @@ def test_decode_graph_runs_static_shapes(tiny_dir: Path) -> None:
 
 def test_long_contexts_decode_on_the_main_model(tiny_dir: Path) -> None:
     """From `[prefill.long] from_tokens` on, decode stays where prefill ran (no state move of a
-    long KV cache); the logits are the same either way."""
+    long KV cache) when prefill ran on the main model; the logits are the same either way."""
     from iq36.profile import LongContextSection
 
     prompt, forced = list(range(1000, 1150)), list(range(2000, 2008))
-    on = _cpu_engine(tiny_dir, True, long=LongContextSection(from_tokens=100, chunk_tokens=32))
+    main_prefill = {"native_attention": False}  # no prefill graph
+    on = _cpu_engine(tiny_dir, True, kernels=main_prefill, long=LongContextSection(from_tokens=100, chunk_tokens=32))
     decode = on._decode_request
     got = _forced(on, prompt, forced)
     assert on._calls.get(id(decode), 0) == 0
-    off = _cpu_engine(tiny_dir, False, long=LongContextSection(from_tokens=100, chunk_tokens=32))
+    off = _cpu_engine(tiny_dir, False, kernels=main_prefill, long=LongContextSection(from_tokens=100, chunk_tokens=32))
+    assert np.array_equal(got, _forced(off, prompt, forced))
+
+
+def test_long_contexts_decode_on_the_decode_graph_after_a_prefill_graph(tiny_dir: Path) -> None:
+    """With a prefill graph (`native_attention`) the state moves after prefill whatever the
+    context's length, so long contexts decode on the decode graph too; with an f32 KV cache the
+    logits are bit for bit the main model's."""
+    from iq36.profile import LongContextSection
+
+    prompt, forced = list(range(1000, 1150)), list(range(2000, 2008))
+    long = LongContextSection(from_tokens=100, chunk_tokens=32)
+    on = _cpu_engine(tiny_dir, True, kv_f32=True, long=long)
+    assert "native_attention (prefill)" in on.describe()["kernels"]
+    decode, main, prefill = on._decode_request, on._request, on._prefill_request
+    got = _forced(on, prompt, forced)
+    assert on._calls[id(decode)] == len(forced) - 1 and on._calls.get(id(main), 0) == 0
+    assert on._calls[id(prefill)] == -(-len(prompt) // 32)
+    off = _cpu_engine(tiny_dir, False, kv_f32=True, long=long)
     assert np.array_equal(got, _forced(off, prompt, forced))
 
 

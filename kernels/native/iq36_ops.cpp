@@ -9,13 +9,15 @@
 // (gated_delta.hpp: a linear-attention layer's recurrence over a chunk of tokens) and Q16Linear
 // (q16_linear.hpp: a compressed-weights matmul for decode rows on int16-rounded activations; its
 // u4 products also in an AVX-VNNI form, q16_u4_dot.inc, chosen at run time) and
-// CausalConv1d (causal_conv.hpp: a linear-attention layer's short convolution, token-major).
+// CausalConv1d (causal_conv.hpp: a linear-attention layer's short convolution, token-major) and
+// CausalAttention (causal_attention.hpp: a full-attention layer's attention over a prefill chunk).
 
 #include "u8_linear.hpp"
 #include "u4_experts.hpp"
 #include "gated_delta.hpp"
 #include "q16_linear.hpp"
 #include "causal_conv.hpp"
+#include "causal_attention.hpp"
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<iq36::U8Linear>>(),
@@ -23,4 +25,5 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<iq36::GatedDeltaRule>>(),
     std::make_shared<ov::OpExtension<iq36::Q16Linear>>(),
     std::make_shared<ov::OpExtension<iq36::CausalConv1d>>(),
+    std::make_shared<ov::OpExtension<iq36::CausalAttention>>(),
 }));

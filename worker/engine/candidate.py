@@ -104,6 +104,12 @@ def _grouped_experts(model: Any) -> Any:
     return grouped_experts.apply(model)
 
 
+def _native_attention(model: Any) -> Any:
+    from kernels import native_attention
+
+    return native_attention.apply(model)
+
+
 # name -> (rewrite, default when the profile's [kernels] table does not name it)
 _KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "last_token_logits": (_last_token_logits, True),
@@ -132,7 +138,9 @@ _EXCLUSIVE = ({"phase_experts", "native_experts", "grouped_experts"},)
 # step). Built from a clone taken just before q16_decode (the clone shares the constants: no
 # second copy of the weights). The state moves to it after prefill (one host copy of every
 # variable: ~30 ms for 1024 tokens of dev-bench context); long contexts ([prefill.long]) keep
-# decoding on the main model, where moving a KV cache of GBs would cost more than it saves.
+# decoding on the main model, where moving a KV cache of GBs would cost more than it saves,
+# unless a prefill graph (`_PREFILL_KERNELS`) ran the prompt: the state moves after prefill then
+# anyway, so it moves to the decode graph.
 # The decode graph is pinned to one token (`q16_decode.pin_one_token`): static shapes on the
 # whole hidden-state path, no per-call shape inference (AVX-512 EPYC: decode +16-19%).
 DECODE_GRAPH = "decode_graph"
@@ -143,12 +151,18 @@ DECODE_GRAPH = "decode_graph"
 # AVX512-BF16; elsewhere the switch does nothing and the engine does not report it.
 EXPERTS_BF16 = "experts_bf16"
 
-# Rewrites that pay off only for chunks of many tokens: applied to a second compiled model used
-# for prefill chunks (> 1 token), while single tokens (decode) run the main one. The model state
-# moves between the two when the phase changes (a copy of every state variable). Off by default:
-# the prefill model holds its own copy of the weights it rewrites (docs/perf-log.md).
+# Rewrites that pay off only for chunks of many tokens: applied to a clone of the main model
+# (after its rewrites; the clone shares the weights) compiled as a third model for prefill chunks
+# (> 1 token), while single tokens (decode) run the main or the decode graph. The model state
+# moves between them when the phase changes (a host copy of every state variable, once per
+# request: the move from the main model to the decode graph it replaces costs the same).
 _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
+    # experimental: the routed experts of prefill chunks token-grouped in standard ops; it
+    # rewrites weights, so the prefill model holds its own copy of them (docs/perf-log.md)
     "grouped_experts": (_grouped_experts, False),
+    # each full-attention layer's prefill attention as the native CausalAttention op (causal
+    # blocks, a running softmax); the KV cache stays the plugin's fused one in the other models
+    "native_attention": (_native_attention, False),
 }
 
 
@@ -158,7 +172,7 @@ _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KER
 KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, EXPERTS_BF16})
 
 # kernels/native ops a rewrite may insert
-_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d"}
+_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention"}
 
 
 def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str], Any]:
@@ -238,23 +252,29 @@ class CandidateEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = tokenizer or ModelTokenizer(self.model_dir)
         core = ov.Core()
-        xml = self.model_dir / "openvino_model.xml"
         model, kernels, decode = specialised_model(core, self.model_dir, profile)
         self.kernels: list[str] = kernels
+        prefill = [name for name, (_, default) in _PREFILL_KERNELS.items() if profile.kernels.get(name, default)]
+        pmodel = None
+        if prefill:
+            pmodel = model.clone()  # the main model's rewrites, its constants (no second copy)
+            for name in prefill:
+                pmodel = _PREFILL_KERNELS[name][0](pmodel)
+                self.kernels.append(f"{name} (prefill)")
         from kernels.graph_hash import structure_hash
 
         # joins the identity (READY, /v1/models, gate)
-        self.graph_hash = structure_hash(model, *([decode] if decode is not None else []))
+        self.graph_hash = structure_hash(model, *(m for m in (decode, pmodel) if m is not None))
         self._inputs = {p.get_any_name() for p in model.inputs}
         vocab = model.output("logits").get_partial_shape()[-1]
         self.vocab_size = vocab.get_length() if vocab.is_static else read_vocab_size(self.model_dir)
         properties = dict(profile.engine.properties)
-        if decode is not None and properties.pop("CACHE_DIR", None):
+        if (decode is not None or pmodel is not None) and properties.pop("CACHE_DIR", None):
             # a model imported from the compile cache holds its own copy of the weights: the
             # decode graph and the main model would hold two (dev-bench gate: 3.96 GB instead
             # of 2.7); compiled from the IR they share its constants
-            log.info("decode_graph: compiling without CACHE_DIR, so both graphs share the weights")
-        if any(op.get_type_name() in _NATIVE_OPS for op in model.get_ops()):
+            log.info("compiling without CACHE_DIR, so the engine's graphs share the weights")
+        if any(op.get_type_name() in _NATIVE_OPS for m in (model, pmodel) if m is not None for op in m.get_ops()):
             from kernels import native
 
             native.register(core)  # compiling does not need it; importing a cached blob would
@@ -267,16 +287,10 @@ class CandidateEngine:
             self._decode_request = self._decode_compiled.create_infer_request()
         # contexts from here on decode on the main model (see DECODE_GRAPH)
         self._decode_until = profile.prefill.long.from_tokens if profile.prefill.long is not None else None
+        if pmodel is not None:
+            self._decode_until = None
         self._prefill_request: Any = None
-        prefill = [name for name, (_, default) in _PREFILL_KERNELS.items() if profile.kernels.get(name, default)]
-        if prefill:
-            pmodel = core.read_model(xml)
-            for name in self.kernels:  # the main model's rewrites (the decode graph is not one)
-                if name in _KERNELS:
-                    pmodel = _KERNELS[name][0](pmodel)
-            for name in prefill:
-                pmodel = _PREFILL_KERNELS[name][0](pmodel)
-                self.kernels.append(f"{name} (prefill)")
+        if pmodel is not None:
             self._prefill_compiled = core.compile_model(pmodel, profile.engine.device, properties)
             self._prefill_request = self._prefill_compiled.create_infer_request()
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
@@ -462,8 +476,9 @@ class CandidateEngine:
             entry = self.prefix_cache.lookup(run.prompt)
         if entry is not None:
             try:
-                restore(self._request, entry.states)
-                self._live = self._request
+                holder = self._request_for(int(run.prompt.size) - entry.length, entry.length)
+                restore(holder, entry.states)
+                self._live = holder
                 run.fed = run.stream.cached_tokens = entry.length
                 log.debug("request %s: restored %d of %d prompt tokens", run.req.request_id, entry.length,
                           run.prompt.size)
@@ -522,18 +537,25 @@ class CandidateEngine:
         except Exception:  # never fail a request over the cache
             log.exception("request %s: taking a %d-token snapshot failed", run.req.request_id, tokens.size)
 
+    def _request_for(self, tokens: int, past: int) -> Any:
+        """The infer request that feeds `tokens` tokens after `past` tokens of state."""
+        if tokens > 1:
+            return self._prefill_request if self._prefill_request is not None else self._request
+        if self._decode_request is not None and (self._decode_until is None or past < self._decode_until):
+            return self._decode_request
+        return self._request
+
     def _infer(self, ids: np.ndarray, past: int) -> np.ndarray:
         """Feed `ids` after `past` tokens of state; the last position's logits (a view)."""
-        if ids.size > 1:
-            request = self._prefill_request if self._prefill_request is not None else self._request
-        elif self._decode_request is not None and (self._decode_until is None or past < self._decode_until):
-            request = self._decode_request
-        else:
-            request = self._request
+        request = self._request_for(int(ids.size), past)
         if self._live is None:  # every request holds an empty state
             self._live = request
         elif request is not self._live:
             _move_state(self._live, request)
+            if self._live is self._prefill_request:
+                # its copy is stale now; the prefill graph's KV cache is a plain f32 state
+                # (no plugin cache compression), the largest one the engine holds
+                self._live.reset_state()
             self._live = request
         calls = self._calls.get(id(request), 0)
         self._calls[id(request)] = calls + 1
