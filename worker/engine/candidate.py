@@ -278,8 +278,6 @@ class CandidateEngine:
             from kernels import native
 
             native.register(core)  # compiling does not need it; importing a cached blob would
-        self._compiled = core.compile_model(model, profile.engine.device, properties)
-        self._request = self._compiled.create_infer_request()
         self._decode_request: Any = None
         self._decode_compiled: Any = None
         if decode is not None:
@@ -287,12 +285,18 @@ class CandidateEngine:
             self._decode_request = self._decode_compiled.create_infer_request()
         # contexts from here on decode on the main model (see DECODE_GRAPH)
         self._decode_until = profile.prefill.long.from_tokens if profile.prefill.long is not None else None
-        if pmodel is not None:
-            self._decode_until = None
         self._prefill_request: Any = None
         if pmodel is not None:
+            self._decode_until = None  # the state moves after prefill anyway
             self._prefill_compiled = core.compile_model(pmodel, profile.engine.device, properties)
             self._prefill_request = self._prefill_compiled.create_infer_request()
+        if pmodel is not None and decode is not None:
+            # every call runs on the prefill or the decode graph: the main model would never
+            # run, so it is not compiled (a compile's time and the plugin's per-model memory)
+            self._compiled, self._request = self._prefill_compiled, self._prefill_request
+        else:
+            self._compiled = core.compile_model(model, profile.engine.device, properties)
+            self._request = self._compiled.create_infer_request()
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
         self._calls: dict[int, int] = {}  # inferences per infer request (`stateful_feed`'s `call`)
         self._queue: deque[EngineRequest] = deque()
@@ -392,8 +396,8 @@ class CandidateEngine:
         engine runs (the CPU plugin reports per-request averages; needs PERF_COUNT=True in the
         profile). Differences between two calls give the time of the inferences between them."""
         totals: dict[str, float] = {}
-        for request in (self._request, self._prefill_request, self._decode_request):
-            calls = self._calls.get(id(request), 0) if request is not None else 0
+        for request in self._requests():
+            calls = self._calls.get(id(request), 0)
             if not calls:
                 continue
             for info in request.profiling_info:
@@ -565,10 +569,17 @@ class CandidateEngine:
     def _reset_state(self) -> None:
         # An empty state cannot be moved between requests (the KV cache's empty shape is not a
         # valid one to set): reset every request, and the first inference picks the holder.
-        for request in (self._request, self._prefill_request, self._decode_request):
-            if request is not None:
-                request.reset_state()
+        for request in self._requests():
+            request.reset_state()
         self._live = None
+
+    def _requests(self) -> list[Any]:
+        """Every distinct infer request (the main one may be the prefill graph's)."""
+        found: list[Any] = []
+        for request in (self._request, self._prefill_request, self._decode_request):
+            if request is not None and all(request is not r for r in found):
+                found.append(request)
+        return found
 
 
 def _move_state(source: Any, target: Any) -> None:
