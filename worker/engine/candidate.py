@@ -152,8 +152,9 @@ DECODE_GRAPH = "decode_graph"
 EXPERTS_BF16 = "experts_bf16"
 
 # Rewrites that pay off only for chunks of many tokens: applied to a clone of the main model
-# (after its rewrites; the clone shares the weights) compiled as a third model for prefill chunks
-# (> 1 token), while single tokens (decode) run the main or the decode graph. The model state
+# (after its rewrites; the clone shares the weights) compiled as a model of its own for prefill
+# chunks (> 1 token), while single tokens (decode) run the main or the decode graph (with both,
+# the main model is not compiled). The model state
 # moves between them when the phase changes (a host copy of every state variable, once per
 # request: the move from the main model to the decode graph it replaces costs the same).
 _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
