@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include <openvino/op/op.hpp>
@@ -128,27 +129,17 @@ inline void values(const float* p, size_t keys, const float* v, size_t D, const 
     }
 }
 
-template <size_t R>
-inline void tile(const float* q, const float* kp, const float* v, size_t D, size_t j0, size_t panels, size_t keys,
-                 const float* alpha, float* s, float* o, bool scoring) {
-    if (scoring) {
-        for (size_t p = 0; p < panels; ++p)
-            scores<R>(q, D, kp + (j0 / kPanel + p) * D * kPanel, s + p * kPanel);
-    } else {
-        values<R>(s, keys, v + j0 * D, D, alpha, o);
-    }
-}
-
-// One row group (at most kRows rows) through `tile` with its row count as a template argument.
-inline void rows(size_t R, const float* q, const float* kp, const float* v, size_t D, size_t j0, size_t panels, size_t keys,
-                 const float* alpha, float* s, float* o, bool scoring) {
+// f(std::integral_constant<size_t, R>) for a row group of R <= kRows rows: the row count as a
+// template argument of the register tiles.
+template <class F>
+inline void with_rows(size_t R, F&& f) {
     switch (R) {
-    case 6: tile<6>(q, kp, v, D, j0, panels, keys, alpha, s, o, scoring); break;
-    case 5: tile<5>(q, kp, v, D, j0, panels, keys, alpha, s, o, scoring); break;
-    case 4: tile<4>(q, kp, v, D, j0, panels, keys, alpha, s, o, scoring); break;
-    case 3: tile<3>(q, kp, v, D, j0, panels, keys, alpha, s, o, scoring); break;
-    case 2: tile<2>(q, kp, v, D, j0, panels, keys, alpha, s, o, scoring); break;
-    default: tile<1>(q, kp, v, D, j0, panels, keys, alpha, s, o, scoring); break;
+    case 6: f(std::integral_constant<size_t, 6>{}); break;
+    case 5: f(std::integral_constant<size_t, 5>{}); break;
+    case 4: f(std::integral_constant<size_t, 4>{}); break;
+    case 3: f(std::integral_constant<size_t, 3>{}); break;
+    case 2: f(std::integral_constant<size_t, 2>{}); break;
+    default: f(std::integral_constant<size_t, 1>{}); break;
     }
 }
 
@@ -187,7 +178,11 @@ inline void task(const float* qh, float* oh, const float* kp, const float* v, si
         for (size_t r0 = 0; r0 < M; r0 += kRows) {
             const size_t R = std::min(kRows, M - r0);
             const size_t visible = seen(last[r0 + R - 1], j0, nb);  // rows ascend in `last`
-            rows(R, Q + r0 * D, kp, nullptr, D, j0, (visible + kPanel - 1) / kPanel, 0, nullptr, S + r0 * kBlock, nullptr, true);
+            const size_t panels = (visible + kPanel - 1) / kPanel;
+            with_rows(R, [&](auto rows) {
+                for (size_t p = 0; p < panels; ++p)
+                    scores<rows()>(Q + r0 * D, D, kp + (j0 / kPanel + p) * D * kPanel, S + r0 * kBlock + p * kPanel);
+            });
         }
         for (size_t r = 0; r < M; ++r) {
             float* s = S + r * kBlock;
@@ -218,7 +213,7 @@ inline void task(const float* qh, float* oh, const float* kp, const float* v, si
         for (size_t r0 = 0; r0 < M; r0 += kRows) {
             const size_t R = std::min(kRows, M - r0);
             const size_t visible = seen(last[r0 + R - 1], j0, nb);
-            rows(R, nullptr, nullptr, v, D, j0, 0, visible, alpha + r0, S + r0 * kBlock, O + r0 * D, false);
+            with_rows(R, [&](auto rows) { values<rows()>(S + r0 * kBlock, visible, v + j0 * D, D, alpha + r0, O + r0 * D); });
         }
     }
     for (size_t t = t0; t < t1; ++t)
