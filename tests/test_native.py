@@ -112,6 +112,22 @@ def test_u4_experts_walks_every_tile_and_tail(skip: int, nibbles: bool) -> None:
                       nibbles=nibbles)
 
 
+@pytest.mark.parametrize("skip", [0, 5])
+@pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
+def test_u4_experts_dot_form_tails(skip: int, nibbles: bool) -> None:
+    """The f32 tiles on packed u4 weights in groups of a multiple of 16 (split input order): an
+    expert's tokens past whole vectors of 8, when at most 4, in the dot form (3 and 4 tokens:
+    only dots; 9, 12: a vector and 1, 4 dots; 13: a padded second vector; 8, 20: whole vectors
+    and none, 4 dots), over inputs walked in three slices (544 = 256 + 256 + 32) and down's
+    48. The u8 weights keep the packed order and padded vectors: the same sums either way."""
+    rng = np.random.default_rng(200 + skip)
+    counts = [3, 4, 9, 12, 13, 8, 20, 1, 2]
+    experts = len(counts)
+    idx = rng.permutation(np.repeat(np.arange(experts), counts))[:, None].astype(np.int32)
+    _check_u4_experts(rng, idx, skip, np.float16, experts=experts, hidden=544, width=48, groups=(32, 16),
+                      nibbles=nibbles)
+
+
 def _bf16(a: np.ndarray) -> np.ndarray:
     """`a` rounded to the nearest bf16 (ties to even), as float64."""
     bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)

@@ -227,9 +227,9 @@ def test_u4_experts_q16_rows(tokens: int) -> None:
 def test_u4_experts_reads_packed_bytes(tokens: int) -> None:
     """`nibbles`: the u4 weights' bytes typed u8 (as `_experts_to_op` passes them, so the plugin
     does not widen them) give the same block: within f32 accuracy of float64 on every path, and
-    bit for bit the u8 op's result where every expert has enough rows for the tiles (20 tokens:
-    the tiles decompress both to the same f32 values; one- and two-row experts read nibbles in
-    another order than bytes)."""
+    the u8 op's result to f32 rounding where every expert has enough rows for the tiles (20
+    tokens: both decompress to the same f32 weights, but the packed bytes' tiles sum each run of
+    16 inputs evens first (`split_index`) and a few tokens as dot products, so not bit for bit)."""
     from tests.test_native import _check_u4_experts
 
     def run(q16_rows: int, nibbles: bool) -> np.ndarray:
@@ -240,7 +240,9 @@ def test_u4_experts_reads_packed_bytes(tokens: int) -> None:
 
     packed = run(0, True)
     if tokens == 20:
-        assert np.array_equal(packed, run(0, False))
+        u8 = run(0, False)
+        assert not np.array_equal(packed, u8)  # another summation order...
+        assert np.abs(packed - u8).max() <= 1e-5 * np.abs(u8).max()  # ...the same sums
     run(4, True)
 
 

@@ -24,7 +24,10 @@
 // y[t, columns] += weight * result -- each task owns its columns, so no two tasks write the same
 // output. Each expert's weights are read from memory once per chunk. The register block is 6
 // weight rows x 2 vectors of 8 tokens: the weight is broadcast and the tokens are the lanes, so
-// every FMA lands in its final accumulator (no horizontal sums). An expert with one or two rows
+// every FMA lands in its final accumulator (no horizontal sums). On packed u4 weights the f32
+// tiles hold each run of 16 inputs as its 8 even then its 8 odd ones (`split_index`: the bytes
+// widen without shuffles) and an expert's last 1-4 tokens past whole vectors take dot products
+// along the inputs instead of a padded vector (`dots`). An expert with one or two rows
 // (decode) skips the tile: its products are taken straight from the packed bytes (`direct`).
 // With the `q16_rows` attribute (q16_decode), a call of at most that many rows (decode) takes
 // those products on integers instead: each row and each act row written as two integer terms per
@@ -80,9 +83,18 @@ inline uint8_t value(const uint8_t* base, size_t index, bool packed) {
     return packed ? nibble(base, index) : base[index];
 }
 
+// The f32 tiles' input order ("split"): within each run of 16 inputs, the 8 even ones, then the 8
+// odd ones -- the low nibbles of 8 packed bytes, then their high nibbles, which is how the bytes
+// widen without shuffles (one zero-extension, one and, one shift: 3 operations per 16 weights
+// instead of 8 to restore the packed order). The token columns (xT) and stage 1's act rows (down's
+// inputs) are laid out in the same order, so every product pairs the same weight and input.
+constexpr size_t kSplit = 16;
+inline size_t split_index(size_t k) { return (k & ~(kSplit - 1)) | ((k & 1) << 3) | ((k & (kSplit - 1)) >> 1); }
+inline bool splits(const Packed& m) { return m.w4 && m.group % kSplit == 0; }
+
 // Rows [r0, r0 + n) of expert e, inputs [k0, k0 + kn) (whole groups), decompressed to f32 into
-// dst (n x kn, row-major).
-inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, float* dst) {
+// dst (n x kn, row-major; with `split`, in the split order: splits(m) must hold).
+inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, float* dst, bool split = false) {
     const __m128i low = _mm_set1_epi16(0x000F);
     const size_t g0 = k0 / m.group, g1 = (k0 + kn) / m.group;
     for (size_t r = 0; r < n; ++r) {
@@ -106,6 +118,13 @@ inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0
             // few lines of each of its rows, which otherwise arrive one demand miss at a time
             for (size_t line = 0; m.w4 && line < m.group / 2; line += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(src + kn / 2 + line), _MM_HINT_T0);
+            for (; split && j < m.group; j += 16) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j / 2)));
+                const __m256 f0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+                const __m256 f1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_sub_ps(f0, z), s));
+                _mm256_storeu_ps(o + j + 8, _mm256_mul_ps(_mm256_sub_ps(f1, z), s));
+            }
             for (; m.w4 && j + 16 <= m.group; j += 16) {
                 const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j / 2)));
                 const __m128i v = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
@@ -203,15 +222,76 @@ inline void gemm(const float* w, size_t n, size_t kn, const float* xT, size_t ld
     });
 }
 
+// The f32 tiles' dot form: o[c][j] (+)= sum_k w[c][k] * x[j][k] for C weight rows (kn apart) and
+// R token rows (contiguous inputs, in the tile's input order), the inputs as vector lanes and one
+// horizontal sum per product at the end: for an expert's last few tokens (at most kDotTail past
+// its whole vectors of 8), whose padded vector would cost 8 lanes of FMAs for each of them.
+constexpr size_t kDotTail = 4;
+
+template <int C, int R>
+inline void dot_kernel(const float* w, size_t kn, const float* const* x, size_t k0, float* o, size_t ldo, bool add) {
+    __m256 acc[C][R];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int j = 0; j < R; ++j)
+            acc[c][j] = _mm256_setzero_ps();
+    for (size_t k = 0; k < kn; k += 8) {
+        __m256 wv[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+            wv[c] = _mm256_loadu_ps(w + c * kn + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < R; ++j) {
+            const __m256 xv = _mm256_loadu_ps(x[j] + k0 + k);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c)
+                acc[c][j] = _mm256_fmadd_ps(wv[c], xv, acc[c][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int j = 0; j < R; ++j) {
+            const float v = hsum(acc[c][j]);
+            o[c * ldo + j] = add ? o[c * ldo + j] + v : v;
+        }
+}
+
+// dot_kernel over n weight rows (w: n x kn, kn a multiple of 8) and R tokens: C x R accumulators,
+// the C weight vectors and one token vector in 16 ymm registers.
+template <int R>
+inline void dots_of(const float* w, size_t n, size_t kn, const float* const* x, size_t k0, float* o, size_t ldo, bool add) {
+    constexpr int C = R == 1 ? 6 : R == 2 ? 4 : R == 3 ? 3 : 2;
+    size_t c = 0;
+    for (; c + C <= n; c += C)
+        dot_kernel<C, R>(w + c * kn, kn, x, k0, o + c * ldo, ldo, add);
+    for (; c < n; ++c)
+        dot_kernel<1, R>(w + c * kn, kn, x, k0, o + c * ldo, ldo, add);
+}
+
+inline void dots(const float* w, size_t n, size_t kn, const float* const* x, size_t rows, size_t k0, float* o, size_t ldo, bool add) {
+    switch (rows) {
+        case 0: return;
+        case 1: return dots_of<1>(w, n, kn, x, k0, o, ldo, add);
+        case 2: return dots_of<2>(w, n, kn, x, k0, o, ldo, add);
+        case 3: return dots_of<3>(w, n, kn, x, k0, o, ldo, add);
+        default: return dots_of<4>(w, n, kn, x, k0, o, ldo, add);  // rows <= kDotTail
+    }
+}
+
 // o[c][t] = dot(row r0 + c of expert e, column t of xT) for c < n, t < vecs * 8; the weights
 // are decompressed one slice of inputs at a time into `tile` (n x slice_of(m)).
+// Then o[c][vecs * 8 + j] = dot(row r0 + c, x[j]) for j < nx token rows (dot form; inputs in
+// the tile's order, kn a multiple of 8 when nx > 0).
 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const float* xT, size_t ldx, size_t vecs, float* tile,
-                     float* o, size_t ldo) {
+                     float* o, size_t ldo, bool split = false, const float* const* x = nullptr, size_t nx = 0) {
     const size_t K = m.in(), ks = slice_of(m);
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0);
-        decompress(m, e, r0, n, k0, kn, tile);
+        decompress(m, e, r0, n, k0, kn, tile, split);
         gemm(tile, n, kn, xT + k0 * ldx, ldx, vecs, o, ldo, k0 > 0);
+        dots(tile, n, kn, x, nx, k0, o + vecs * 8, ldo, k0 > 0);
     }
 }
 
@@ -234,8 +314,9 @@ inline void transpose8(__m256& r0, __m256& r1, __m256& r2, __m256& r3, __m256& r
     r7 = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// xT[k][t] = rows[t][k] for k < K, t < ldx (ldx a multiple of 8; rows past m read `zero`).
-inline void transpose_rows(const float* const* rows, size_t m, const float* zero, size_t K, float* xT, size_t ldx) {
+// xT[k][t] = rows[t][k] for k < K, t < ldx (ldx a multiple of 8; rows past m read `zero`); with
+// `split`, xT[split_index(k)][t] (K a multiple of kSplit).
+inline void transpose_rows(const float* const* rows, size_t m, const float* zero, size_t K, float* xT, size_t ldx, bool split = false) {
     for (size_t t0 = 0; t0 < ldx; t0 += 8) {
         const float* r[8];
         for (size_t i = 0; i < 8; ++i)
@@ -246,19 +327,19 @@ inline void transpose_rows(const float* const* rows, size_t m, const float* zero
                    v3 = _mm256_loadu_ps(r[3] + k), v4 = _mm256_loadu_ps(r[4] + k), v5 = _mm256_loadu_ps(r[5] + k),
                    v6 = _mm256_loadu_ps(r[6] + k), v7 = _mm256_loadu_ps(r[7] + k);
             transpose8(v0, v1, v2, v3, v4, v5, v6, v7);
-            float* d = xT + k * ldx + t0;
-            _mm256_storeu_ps(d, v0);
-            _mm256_storeu_ps(d + ldx, v1);
-            _mm256_storeu_ps(d + 2 * ldx, v2);
-            _mm256_storeu_ps(d + 3 * ldx, v3);
-            _mm256_storeu_ps(d + 4 * ldx, v4);
-            _mm256_storeu_ps(d + 5 * ldx, v5);
-            _mm256_storeu_ps(d + 6 * ldx, v6);
-            _mm256_storeu_ps(d + 7 * ldx, v7);
+            const auto d = [&](size_t i) { return xT + (split ? split_index(k + i) : k + i) * ldx + t0; };
+            _mm256_storeu_ps(d(0), v0);
+            _mm256_storeu_ps(d(1), v1);
+            _mm256_storeu_ps(d(2), v2);
+            _mm256_storeu_ps(d(3), v3);
+            _mm256_storeu_ps(d(4), v4);
+            _mm256_storeu_ps(d(5), v5);
+            _mm256_storeu_ps(d(6), v6);
+            _mm256_storeu_ps(d(7), v7);
         }
         for (; k < K; ++k)
             for (size_t i = 0; i < 8; ++i)
-                xT[k * ldx + t0 + i] = r[i][k];
+                xT[(split ? split_index(k) : k) * ldx + t0 + i] = r[i][k];
     }
 }
 
@@ -421,6 +502,8 @@ public:
         const Packed& gate = mats[0];
         const Packed& up = mats[1];
         const Packed& down = mats[2];
+        // the f32 tiles in the split input order (all three matrices, or none: act rows are down's inputs)
+        const bool split = splits(gate) && splits(up) && splits(down);
         const size_t E = inputs[4].get_shape()[0];
         const size_t I = gate.out;
 
@@ -481,9 +564,11 @@ public:
         for (size_t e = 0; e < E; ++e) {
             const size_t m = start[e + 1] - start[e];
             if (m > kDirect) {
-                const bool dot = bf && m <= dot_tokens;
-                lanes[e] = dot ? 0 : (m + pad - 1) / pad * pad;
-                rem[e] = dot ? m : 0;
+                // f32 tiles: the tokens past whole vectors of 8 in the dot form when at most
+                // kDotTail (splits' tiles: inputs in multiples of 16, whole dot vectors)
+                const bool dot = bf ? m <= dot_tokens : split && m % pad <= kDotTail;
+                rem[e] = !dot ? 0 : bf ? m : m % pad;
+                lanes[e] = dot ? m - rem[e] : (m + pad - 1) / pad * pad;
                 ld[e] = lanes[e] + rem[e];
             }
             aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
@@ -495,6 +580,8 @@ public:
         Scratch<float> act_buffer(aoff[E]);
         Scratch<uint32_t> act2_buffer(bf ? aoff[E] / 2 : 0);
         Scratch<uint16_t> actr_buffer(bf ? roff[E] * I : 0);
+        Scratch<float> actf_buffer(bf ? 0 : roff[E] * I);  // f32: the dot-form tokens' act rows
+        float* actf = actf_buffer.data();
         float* act = act_buffer.data();
         uint32_t* act2 = act2_buffer.data();
         uint16_t* actr = actr_buffer.data();  // the dot-form tokens' act rows, bf16, token-major
@@ -509,10 +596,12 @@ public:
             thread_local AlignedVector<float> xT;  // AMX tiles load from it and from tile16
             thread_local AlignedVector<uint16_t> tile16;
             thread_local std::vector<uint16_t> xb;
+            thread_local std::vector<float> xs;
             thread_local std::vector<const float*> rows;
-            // bf16: the expert whose token columns xT / xb hold (the same call): its other row
+            // the expert whose token columns xT (and xb, bf16) hold (the same call): its other row
             // tasks, which a thread mostly takes next, reuse them (measured: the rounding and
-            // the transpose were ~20% of the op at 1024 tokens with AMX tiles)
+            // the transpose were ~20% of the op at 1024 tokens with AMX tiles; the f32 transpose
+            // ~1% with the f32 tiles on AVX2)
             thread_local uint64_t held_call = 0;
             thread_local size_t held_expert = 0;
             const uint16_t* xr[bf16::kDotTokens];
@@ -570,14 +659,28 @@ public:
                     bf16::products(gate, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), g.data(), n);
                     bf16::products(up, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), u.data(), n);
                 } else {
-                    xT.resize(H * n);
-                    transpose_rows(rows.data(), m, zero.data(), H, xT.data(), n);
-                    products(gate, e, r0, nr, xT.data(), n, n / 8, tile.data(), g.data(), n);
-                    products(up, e, r0, nr, xT.data(), n, n / 8, tile.data(), u.data(), n);
+                    const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
+                    if (held_call != call || held_expert != e) {  // as for bf16: the expert's other row tasks reuse it
+                        xT.resize(H * nl);
+                        transpose_rows(rows.data(), std::min(m, nl), zero.data(), H, xT.data(), nl, split);
+                        xs.resize(rem[e] * H);  // the dot-form tokens' rows in the tiles' input order
+                        for (size_t j = 0; j < rem[e]; ++j)
+                            for (size_t k = 0; k < H; ++k)
+                                xs[j * H + split_index(k)] = rows[nl + j][k];
+                        held_call = call;
+                        held_expert = e;
+                    }
+                    const float* xd[kDotTail];
+                    for (size_t j = 0; j < rem[e]; ++j)
+                        xd[j] = xs.data() + j * H;
+                    products(gate, e, r0, nr, xT.data(), nl, nl / 8, tile.data(), g.data(), n, split, xd, rem[e]);
+                    products(up, e, r0, nr, xT.data(), nl, nl / 8, tile.data(), u.data(), n, split, xd, rem[e]);
                 }
-                for (size_t c = 0; c < nr; ++c)
+                for (size_t c = 0; c < nr; ++c) {
+                    float* ac = a + (split && !bf ? split_index(r0 + c) : r0 + c) * n;  // down's input order
                     for (size_t t = 0; t < n; ++t)  // padded columns: silu(0) * 0 = 0
-                        a[(r0 + c) * n + t] = silu(g[c * n + t]) * u[c * n + t];
+                        ac[t] = silu(g[c * n + t]) * u[c * n + t];
+                }
                 if (bf) {  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even), the dot-form tokens' as rows
                     bf16::pair_columns(a + r0 * n, nr, n, lanes[e], act2 + (aoff[e] + r0 * n) / 2);
                     if (rem[e] > 0)
@@ -585,6 +688,12 @@ public:
                 }
             }
         });
+
+        if (!bf)  // the f32 dot-form tokens' act rows (columns lanes[e] .. of act), for down
+            for (size_t e : present)
+                for (size_t j = 0; j < rem[e]; ++j)
+                    for (size_t i = 0; i < I; ++i)
+                        actf[(roff[e] + j) * I + i] = act[aoff[e] + i * ld[e] + lanes[e] + j];
 
         if (use_q16)  // the direct experts' act rows, rounded for down
             for (size_t e : present)
@@ -629,7 +738,10 @@ public:
                         bf16::products(down, e, c0, nc, act2 + aoff[e] / 2, n, lanes[e] / 16, xr, rem[e], dacc.data(),
                                        tile16.data(), scales.data(), out.data(), n);
                     } else {
-                        products(down, e, c0, nc, a, n, n / 8, tile.data(), out.data(), n);
+                        const float* xd[kDotTail];
+                        for (size_t j = 0; j < rem[e]; ++j)
+                            xd[j] = actf + (roff[e] + j) * I;
+                        products(down, e, c0, nc, a, n, lanes[e] / 8, tile.data(), out.data(), n, split, xd, rem[e]);
                     }
                     for (size_t i = 0; i < m; ++i) {
                         float* dst = y + token[b + i] * H + c0;
