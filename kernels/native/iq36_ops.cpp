@@ -10,7 +10,8 @@
 // (q16_linear.hpp: a compressed-weights matmul for decode rows on int16-rounded activations; its
 // u4 products also in an AVX-VNNI form, q16_u4_dot.inc, chosen at run time) and
 // CausalConv1d (causal_conv.hpp: a linear-attention layer's short convolution, token-major) and
-// CausalAttention (causal_attention.hpp: a full-attention layer's attention over a prefill chunk).
+// CausalAttention (causal_attention.hpp: a full-attention layer's attention over a prefill chunk) and
+// DecodeAttention (decode_attention.hpp: its attention for a decode token over a u8 cache of its own).
 
 #include "u8_linear.hpp"
 #include "u4_experts.hpp"
@@ -18,6 +19,7 @@
 #include "q16_linear.hpp"
 #include "causal_conv.hpp"
 #include "causal_attention.hpp"
+#include "decode_attention.hpp"
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<iq36::U8Linear>>(),
@@ -26,4 +28,5 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<iq36::Q16Linear>>(),
     std::make_shared<ov::OpExtension<iq36::CausalConv1d>>(),
     std::make_shared<ov::OpExtension<iq36::CausalAttention>>(),
+    std::make_shared<ov::OpExtension<iq36::DecodeAttention>>(),
 }));

@@ -145,6 +145,15 @@ _EXCLUSIVE = ({"phase_experts", "native_experts", "grouped_experts"},)
 # whole hidden-state path, no per-call shape inference (AVX-512 EPYC: decode +16-19%).
 DECODE_GRAPH = "decode_graph"
 
+# The decode graph's full-attention layers as the native DecodeAttention op, which keeps the KV
+# cache in the model state itself, u8 quantised exactly as the plugin's own cache
+# (kernels/native_decode_attention.py). The cache variables then hold packed u8 rows in the
+# decode graph and f32 in the other graphs: the engine converts a state moving between them
+# (`_restore`); prefix snapshots keep whichever form their graph held. Only where the plugin's
+# own cache would be u8 (its default on x86 CPUs, unless the profile sets KV_CACHE_PRECISION) and
+# there is a decode graph: elsewhere the switch does nothing and the engine does not report it.
+DECODE_ATTENTION = "native_decode_attention"
+
 # The routed experts' prefill tiles on bf16 dot products (kernels/native_experts.py: bf16_tiles):
 # applied after the rewrites when `native_experts` is on, the plugin runs the model in bf16 (its
 # default on an AVX512-BF16 CPU, unless the profile sets INFERENCE_PRECISION_HINT) and the CPU has
@@ -170,10 +179,11 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 # Each rewrite's default when the profile's [kernels] table does not name it.
 _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
-KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, EXPERTS_BF16})
+KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16})
 
 # kernels/native ops a rewrite may insert
-_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention"}
+_NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention",
+               "DecodeAttention"}
 
 
 def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str], Any]:
@@ -193,17 +203,24 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     if decode_graph and not profile.kernels.get("q16_decode", _KERNELS["q16_decode"][1]):
         raise ValueError(f"profile {profile.name}: kernel {DECODE_GRAPH} is q16_decode's decode graph; "
                          "turn q16_decode on in [kernels] too")
-    applied, decode = [], None
+    applied, decode, decode_attention = [], None, False
     for name, (rewrite, default) in _KERNELS.items():
         if profile.kernels.get(name, default):
             if name == "q16_decode" and decode_graph:
                 from kernels import q16_decode
 
                 decode = q16_decode.pin_one_token(q16_decode.apply(model.clone(), split=False))
+                if profile.kernels.get(DECODE_ATTENTION, False) and _plugin_kv_u8(core, profile):
+                    from kernels import native_decode_attention
+
+                    decode, _ = native_decode_attention.apply(decode)
+                    decode_attention = True
             model = rewrite(model)
             applied.append(name)
     if decode is not None:
         applied.append(DECODE_GRAPH)
+        if decode_attention:
+            applied.append(DECODE_ATTENTION)
     if profile.kernels.get(EXPERTS_BF16, False) and "native_experts" in applied and _plugin_bf16(core, profile):
         from kernels import native, native_experts
 
@@ -220,6 +237,16 @@ def _plugin_bf16(core: Any, profile: Profile) -> bool:
         hint = core.get_property(profile.engine.device, "INFERENCE_PRECISION_HINT")
     name = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
     return name.lower() in ("bf16", "bfloat16")
+
+
+def _plugin_kv_u8(core: Any, profile: Profile) -> bool:
+    """Whether the plugin keeps the KV cache in u8: the profile's KV_CACHE_PRECISION, else the
+    device's default."""
+    kv = profile.engine.properties.get("KV_CACHE_PRECISION")
+    if kv is None:
+        kv = core.get_property(profile.engine.device, "KV_CACHE_PRECISION")
+    name = kv.get_type_name() if hasattr(kv, "get_type_name") else str(kv)
+    return name.lower() in ("u8", "uint8", "uint8_t")
 
 
 class _Running:
@@ -275,12 +302,18 @@ class CandidateEngine:
             # decode graph and the main model would hold two (dev-bench gate: 3.96 GB instead
             # of 2.7); compiled from the IR they share its constants
             log.info("compiling without CACHE_DIR, so the engine's graphs share the weights")
-        if any(op.get_type_name() in _NATIVE_OPS for m in (model, pmodel) if m is not None for op in m.get_ops()):
+        if any(op.get_type_name() in _NATIVE_OPS for m in (model, pmodel, decode) if m is not None for op in m.get_ops()):
             from kernels import native
 
             native.register(core)  # compiling does not need it; importing a cached blob would
         self._decode_request: Any = None
         self._decode_compiled: Any = None
+        # the decode graph's state variables in DecodeAttention's packed u8 form (DECODE_ATTENTION)
+        self._packed: frozenset[str] = frozenset()
+        if decode is not None and DECODE_ATTENTION in self.kernels:
+            from kernels.native_decode_attention import packed_variables
+
+            self._packed = packed_variables(decode)
         if decode is not None:
             self._decode_compiled = core.compile_model(decode, profile.engine.device, properties)
             self._decode_request = self._decode_compiled.create_infer_request()
@@ -482,7 +515,7 @@ class CandidateEngine:
         if entry is not None:
             try:
                 holder = self._request_for(int(run.prompt.size) - entry.length, entry.length)
-                restore(holder, entry.states)
+                self._restore(holder, entry.states)
                 self._live = holder
                 run.fed = run.stream.cached_tokens = entry.length
                 log.debug("request %s: restored %d of %d prompt tokens", run.req.request_id, entry.length,
@@ -556,7 +589,7 @@ class CandidateEngine:
         if self._live is None:  # every request holds an empty state
             self._live = request
         elif request is not self._live:
-            _move_state(self._live, request)
+            self._restore(request, snapshot(self._live, max_bytes=np.iinfo(np.int64).max) or {})
             if self._live is self._prefill_request:
                 # its copy is stale now; the prefill graph's KV cache is a plain f32 state
                 # (no plugin cache compression), the largest one the engine holds
@@ -566,6 +599,17 @@ class CandidateEngine:
         self._calls[id(request)] = calls + 1
         request.infer(stateful_feed(ids, past, self._inputs, calls))
         return request.get_tensor("logits").data[0, -1]
+
+    def _restore(self, request: Any, states: dict[str, np.ndarray]) -> None:
+        """Set `request`'s state from a snapshot of any of the engine's graphs (every variable;
+        see `worker.prefix_cache.restore`): the KV caches converted to the form its graph holds
+        (DECODE_ATTENTION's packed u8 rows in the decode graph, f32 elsewhere)."""
+        if self._packed:
+            from kernels.native_decode_attention import to_state
+
+            packed = self._packed if request is self._decode_request else frozenset()
+            states = {name: to_state(array, name, packed) for name, array in states.items()}
+        restore(request, states)
 
     def _reset_state(self) -> None:
         # An empty state cannot be moved between requests (the KV cache's empty shape is not a
@@ -582,8 +626,3 @@ class CandidateEngine:
                 found.append(request)
         return found
 
-
-def _move_state(source: Any, target: Any) -> None:
-    """Give `target` the model state `source` holds, every variable, through host copies (as
-    prefix snapshots do: handing one request's state tensor to another is not supported)."""
-    restore(target, snapshot(source, max_bytes=np.iinfo(np.int64).max) or {})

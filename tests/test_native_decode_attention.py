@@ -1,0 +1,164 @@
+"""`native_decode_attention` (kernels/native_decode_attention.py, kernels/native/decode_attention.hpp):
+the decode graph's attention and its u8 KV cache as one native op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kernels import native, native_decode_attention as nda
+from tests.helpers import final, run_engine, tokens_of
+
+pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason="the native ops need AVX2, FMA and F16C")
+
+
+def _rows(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random f32 rows with a few awkward ones: constant (scale 0), one outlier, tiny values."""
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    if flat.shape[0] >= 3:
+        flat[0] = 1.5
+        flat[1, 7] = 400.0
+        flat[2] *= 1e-6
+    return x
+
+
+def test_pack_is_the_plugins_u8_kv_cache(tiny_dir: Path) -> None:
+    """`pack` quantises as the CPU plugin does its u8 KV cache, bit for bit: a state set on the
+    plugin's fused cache reads back as `unpack(pack(x))`."""
+    import openvino as ov
+
+    from tests.helpers import REFERENCE
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(tiny_dir / "openvino_model.xml"), "CPU", REFERENCE)
+    if str(compiled.get_property("KV_CACHE_PRECISION")) not in ("<Type: 'uint8_t'>", "u8"):
+        pytest.skip(f"the plugin's KV cache is {compiled.get_property('KV_CACHE_PRECISION')} here, not u8")
+    request = compiled.create_infer_request()
+    caches = [v for v in request.query_state() if ".key." in v.name or ".value." in v.name]
+    assert caches
+    rng = np.random.default_rng(7)
+    for variable in caches:
+        heads, size = variable.state.shape[1], variable.state.shape[3]
+        x = _rows(rng, (1, heads, 300, size))
+        variable.state = ov.Tensor(x)
+        assert np.array_equal(np.array(variable.state.data), nda.unpack(nda.pack(x))), variable.name
+    packed = nda.pack(x)
+    assert packed.dtype == np.uint8 and packed.shape == (*x.shape[:-1], x.shape[-1] + nda.EXTRA)
+    assert np.array_equal(nda.to_state(x, "k", frozenset({"k"})), packed)
+    assert np.array_equal(nda.to_state(packed, "k", frozenset()), nda.unpack(packed))
+    assert nda.to_state(x, "k", frozenset()) is x and nda.to_state(packed, "k", frozenset({"k"})) is packed
+
+
+def _op(q: np.ndarray, k: np.ndarray, v: np.ndarray, past_k: np.ndarray, past_v: np.ndarray,
+        scale: float) -> list[np.ndarray]:
+    import openvino as ov
+    from openvino import opset15 as op
+
+    params = [op.parameter(list(a.shape), a.dtype) for a in (q, k, v, past_k, past_v)]
+    node = native.factory().create("DecodeAttention", [*(p.output(0) for p in params),
+                                                       op.constant(np.float32(scale)).output(0)])
+    model = ov.Model([node.output(i) for i in range(3)], params)
+    core = ov.Core()
+    native.register(core)
+    request = core.compile_model(model, "CPU").create_infer_request()
+    request.infer([q, k, v, past_k, past_v])
+    return [np.array(request.get_output_tensor(i).data) for i in range(3)]
+
+
+@pytest.mark.parametrize(("kv", "group", "size", "past"),
+                         [(2, 8, 256, 0), (2, 8, 256, 1100), (1, 2, 64, 37), (1, 10, 64, 600), (2, 3, 32, 512)])
+def test_decode_attention_is_attention_over_the_dequantised_cache(kv: int, group: int, size: int,
+                                                                  past: int) -> None:
+    """The op appends the token's rows, quantised as `pack` does (bit for bit), and attends over
+    the whole cache, its own key included, as float64 does over the dequantised cache; spans of
+    512 keys and more than 8 query heads per kv head included."""
+    rng = np.random.default_rng(past + group)
+    q = rng.standard_normal((1, kv * group, 1, size)).astype(np.float32)
+    k, v = (_rows(rng, (1, kv, 1, size)) for _ in range(2))
+    past_k, past_v = (nda.pack(_rows(rng, (1, kv, max(past, 3), size)))[:, :, :past] for _ in range(2))
+    scale = 1 / np.sqrt(size)
+    out, k_all, v_all = _op(q, k, v, np.ascontiguousarray(past_k), np.ascontiguousarray(past_v), scale)
+    assert np.array_equal(k_all, np.concatenate([past_k, nda.pack(k)], axis=2))
+    assert np.array_equal(v_all, np.concatenate([past_v, nda.pack(v)], axis=2))
+    keys, values = nda.unpack(k_all)[0].astype(np.float64), nda.unpack(v_all)[0].astype(np.float64)
+    queries = q.reshape(kv, group, size).astype(np.float64)
+    scores = np.einsum("hgd,htd->hgt", queries, keys) * scale
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    want = np.einsum("hgt,htd->hgd", weights, values).reshape(q.shape)
+    assert np.abs(out - want).max() <= 2e-6 * np.abs(want).max()
+
+
+def test_decode_attention_refuses_more_than_one_token() -> None:
+    q = np.zeros((1, 2, 2, 32), np.float32)
+    k = np.zeros((1, 1, 2, 32), np.float32)
+    with pytest.raises(RuntimeError):
+        _op(q, k, k, np.zeros((1, 1, 4, 40), np.uint8), np.zeros((1, 1, 4, 40), np.uint8), 0.1)
+
+
+def _engine(model_dir: Path, on: bool, prefix_cache: bool = False) -> Any:
+    """The candidate on the `cpu` profile (decode graph on) with `native_decode_attention` set,
+    the plugin in f32 with its u8 KV cache; 64-token prefill chunks."""
+    import msgspec
+
+    from iq36.profile import PrefillSection, load
+    from tests.helpers import REFERENCE
+    from worker.engine import create
+
+    profile = load("cpu")
+    profile = msgspec.structs.replace(
+        profile, prefill=PrefillSection(chunk_tokens=64),
+        engine=msgspec.structs.replace(profile.engine, properties={**profile.engine.properties, **REFERENCE}),
+        kernels={**profile.kernels, "decode_graph": True, nda.NAME: on},
+        prefix_cache=msgspec.structs.replace(profile.prefix_cache, enabled=prefix_cache))
+    return create("candidate", model_dir, profile)
+
+
+def test_engine_decodes_as_with_the_plugins_cache(tiny_dir: Path) -> None:
+    """Teacher-forced decode with the op gives the plugin's fused cache's logits: the same
+    quantised cache, attention summed in another order (within 2e-6 of the logits' scale), the
+    same greedy tokens; every decode step ran on the decode graph, whose identity changed."""
+    prompt, forced = list(range(1000, 1150)), list(range(2000, 2016))
+    on, off = _engine(tiny_dir, True), _engine(tiny_dir, False)
+    assert nda.NAME in on.describe()["kernels"] and nda.NAME not in off.describe()["kernels"]
+    assert on.graph_hash != off.graph_hash
+    assert on._packed and all(".key." in n or ".value." in n for n in on._packed)
+    try:
+        got = np.stack(list(on.forced_logits(prompt, forced)))
+        want = np.stack(list(off.forced_logits(prompt, forced)))
+        assert on._calls[id(on._decode_request)] == len(forced) - 1
+    finally:
+        on.close()
+        off.close()
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_prefix_snapshots_cross_between_the_cache_forms(tiny_dir: Path) -> None:
+    """A turn's snapshot taken from the decode graph (packed u8 cache) restores into the prefill
+    graph (f32) for the next turn, and one taken after prefill restores into the decode graph:
+    the second turn reuses the first and gives the greedy tokens of a run without the op."""
+    from worker.engine import EngineRequest, SamplingParams
+
+    first = tuple(range(1000, 1140))
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    results = {}
+    for on in (True, False):
+        engine = _engine(tiny_dir, on, prefix_cache=True)
+        try:
+            out1 = run_engine(engine, EngineRequest("t1", first, greedy))
+            answer = tokens_of(out1, "t1")
+            second = first + tuple(answer) + tuple(range(3000, 3003))
+            out2 = run_engine(engine, EngineRequest("t2", second, greedy))
+            # one token past a cached state: restored straight into the decode graph
+            out3 = run_engine(engine, EngineRequest("t3", first + (answer[0],), greedy))
+            results[on] = (answer, tokens_of(out2, "t2"), tokens_of(out3, "t3"))
+            assert final(out2, "t2").cached_tokens > len(first)
+            assert final(out3, "t3").cached_tokens == len(first)
+        finally:
+            engine.close()
+    assert results[True] == results[False]
