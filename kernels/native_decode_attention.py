@@ -119,8 +119,7 @@ def apply(model: Any) -> tuple[Any, frozenset[str]]:
     """Rewrite the decode graph `model` (before compile) in place; returns it and the ids of the
     variables now in packed u8 form. Raises RewriteError if it has no attention of the export's
     form."""
-    from openvino import PartialShape, Type
-    from openvino import opset6
+    from openvino import PartialShape, Type, opset6
     from openvino import opset15 as ops
     from openvino.op.util import Variable, VariableInfo
 
@@ -172,7 +171,7 @@ def apply(model: Any) -> tuple[Any, frozenset[str]]:
         node.set_friendly_name(f"{sdpa.get_friendly_name()}/{NAME}")
         for target in list(sdpa.output(0).get_target_inputs()):
             target.replace_source_output(node.output(0))
-        for (variable, read), out in zip(states, (node.output(1), node.output(2))):
+        for (variable, read), out in zip(states, (node.output(1), node.output(2)), strict=True):
             # the Python Assign takes a node's first output only: made on the ReadValue, then moved
             assign = opset6.assign(read, variable)
             assign.input(0).replace_source_output(out)

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kernels import native, native_decode_attention as nda
+from kernels import native
+from kernels import native_decode_attention as nda
 from tests.helpers import final, run_engine, tokens_of
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason="the native ops need AVX2, FMA and F16C")
@@ -100,9 +101,10 @@ def test_decode_attention_refuses_more_than_one_token() -> None:
         _op(q, k, k, np.zeros((1, 1, 4, 40), np.uint8), np.zeros((1, 1, 4, 40), np.uint8), 0.1)
 
 
-def _engine(model_dir: Path, on: bool, prefix_cache: bool = False) -> Any:
+def _engine(model_dir: Path, on: bool, prefix_cache: bool = False, **properties: Any) -> Any:
     """The candidate on the `cpu` profile (decode graph on) with `native_decode_attention` set,
-    the plugin in f32 with its u8 KV cache; 64-token prefill chunks."""
+    the plugin in f32 with its u8 KV cache (unless `properties` say otherwise); 64-token prefill
+    chunks."""
     import msgspec
 
     from iq36.profile import PrefillSection, load
@@ -110,9 +112,10 @@ def _engine(model_dir: Path, on: bool, prefix_cache: bool = False) -> Any:
     from worker.engine import create
 
     profile = load("cpu")
+    properties = {**profile.engine.properties, **REFERENCE, **properties}
     profile = msgspec.structs.replace(
         profile, prefill=PrefillSection(chunk_tokens=64),
-        engine=msgspec.structs.replace(profile.engine, properties={**profile.engine.properties, **REFERENCE}),
+        engine=msgspec.structs.replace(profile.engine, properties=properties),
         kernels={**profile.kernels, "decode_graph": True, nda.NAME: on},
         prefix_cache=msgspec.structs.replace(profile.prefix_cache, enabled=prefix_cache))
     return create("candidate", model_dir, profile)
@@ -162,3 +165,16 @@ def test_prefix_snapshots_cross_between_the_cache_forms(tiny_dir: Path) -> None:
         finally:
             engine.close()
     assert results[True] == results[False]
+
+
+def test_the_switch_does_nothing_where_the_plugins_cache_is_not_u8(tiny_dir: Path) -> None:
+    """With an f32 KV cache (a profile's KV_CACHE_PRECISION) the op would quantise where stock
+    does not: the decode graph keeps the plugin's attention and the engine does not report it."""
+    engine = _engine(tiny_dir, True, KV_CACHE_PRECISION="f32")
+    try:
+        assert nda.NAME not in engine.describe()["kernels"] and not engine._packed
+        runtime = engine._decode_compiled.get_runtime_model().get_ops()
+        types = {op.get_rt_info()["layerType"].astype(str) for op in runtime}
+        assert "ScaledDotProductAttention" in types  # the plugin's fused attention and cache
+    finally:
+        engine.close()

@@ -302,7 +302,8 @@ class CandidateEngine:
             # decode graph and the main model would hold two (dev-bench gate: 3.96 GB instead
             # of 2.7); compiled from the IR they share its constants
             log.info("compiling without CACHE_DIR, so the engine's graphs share the weights")
-        if any(op.get_type_name() in _NATIVE_OPS for m in (model, pmodel, decode) if m is not None for op in m.get_ops()):
+        graphs = [m for m in (model, pmodel, decode) if m is not None]
+        if any(op.get_type_name() in _NATIVE_OPS for m in graphs for op in m.get_ops()):
             from kernels import native
 
             native.register(core)  # compiling does not need it; importing a cached blob would
