@@ -115,9 +115,9 @@ def _keep_shape_readers(read: Any, new_read: Any, head_size: int) -> None:
                 reader.replace_source_output(old_shape.output(0))
 
 
-def apply(model: Any) -> tuple[Any, frozenset[str]]:
-    """Rewrite the decode graph `model` (before compile) in place; returns it and the ids of the
-    variables now in packed u8 form. Raises RewriteError if it has no attention of the export's
+def apply(model: Any) -> Any:
+    """Rewrite the decode graph `model` (before compile) in place; returns it (its packed cache
+    variables: `packed_variables`). Raises RewriteError if it has no attention of the export's
     form."""
     from openvino import PartialShape, Type, opset6
     from openvino import opset15 as ops
@@ -126,7 +126,7 @@ def apply(model: Any) -> tuple[Any, frozenset[str]]:
     from kernels import native
 
     native.require_cpu(NAME, RewriteError)
-    packed: set[str] = set()
+    done = 0
     for sdpa in [op for op in model.get_ordered_ops() if op.get_type_name() == "ScaledDotProductAttention"]:
         if sdpa.get_attributes().get("causal") or sdpa.get_input_size() < 4:
             continue
@@ -176,8 +176,8 @@ def apply(model: Any) -> tuple[Any, frozenset[str]]:
             assign = opset6.assign(read, variable)
             assign.input(0).replace_source_output(out)
             model.add_sinks([assign])
-            packed.add(variable.info.variable_id)
-    if not packed:
+        done += 1
+    if not done:
         raise RewriteError("no ScaledDotProductAttention of the export's form in the model")
     model.validate_nodes_and_infer_types()
-    return model, frozenset(packed)
+    return model

@@ -213,7 +213,7 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
                 if profile.kernels.get(DECODE_ATTENTION, False) and _plugin_kv_u8(core, profile):
                     from kernels import native_decode_attention
 
-                    decode, _ = native_decode_attention.apply(decode)
+                    decode = native_decode_attention.apply(decode)
                     decode_attention = True
             model = rewrite(model)
             applied.append(name)
@@ -229,24 +229,23 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     return model, applied, decode
 
 
+def _plugin_type(core: Any, profile: Profile, key: str) -> str:
+    """The element type the plugin will use for property `key` (the profile's value, else the
+    device's default), lower case."""
+    value = profile.engine.properties.get(key)
+    if value is None:
+        value = core.get_property(profile.engine.device, key)
+    return (value.get_type_name() if hasattr(value, "get_type_name") else str(value)).lower()
+
+
 def _plugin_bf16(core: Any, profile: Profile) -> bool:
-    """Whether the plugin will run the model in bf16: the profile's INFERENCE_PRECISION_HINT, else
-    the device's default."""
-    hint = profile.engine.properties.get("INFERENCE_PRECISION_HINT")
-    if hint is None:
-        hint = core.get_property(profile.engine.device, "INFERENCE_PRECISION_HINT")
-    name = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
-    return name.lower() in ("bf16", "bfloat16")
+    """Whether the plugin will run the model in bf16 (INFERENCE_PRECISION_HINT)."""
+    return _plugin_type(core, profile, "INFERENCE_PRECISION_HINT") in ("bf16", "bfloat16")
 
 
 def _plugin_kv_u8(core: Any, profile: Profile) -> bool:
-    """Whether the plugin keeps the KV cache in u8: the profile's KV_CACHE_PRECISION, else the
-    device's default."""
-    kv = profile.engine.properties.get("KV_CACHE_PRECISION")
-    if kv is None:
-        kv = core.get_property(profile.engine.device, "KV_CACHE_PRECISION")
-    name = kv.get_type_name() if hasattr(kv, "get_type_name") else str(kv)
-    return name.lower() in ("u8", "uint8", "uint8_t")
+    """Whether the plugin keeps the KV cache in u8 (KV_CACHE_PRECISION)."""
+    return _plugin_type(core, profile, "KV_CACHE_PRECISION") in ("u8", "uint8", "uint8_t")
 
 
 class _Running:
@@ -590,6 +589,8 @@ class CandidateEngine:
         if self._live is None:  # every request holds an empty state
             self._live = request
         elif request is not self._live:
+            # through host copies, as prefix snapshots: handing one request's state tensor to
+            # another is not supported
             self._restore(request, snapshot(self._live, max_bytes=np.iinfo(np.int64).max) or {})
             if self._live is self._prefill_request:
                 # its copy is stale now; the prefill graph's KV cache is a plain f32 state
