@@ -7,19 +7,25 @@ to every query head for `ScaledDotProductAttention`. The CPU plugin fuses that i
 whose decode attention grows ~0.55 us per token of context and layer (Zen 4 EPYC, dev-bench:
 0.45 ms a layer at 1024 tokens, 2.1 ms at 4096; the real model has 10 such layers;
 docs/perf-log.md). `DecodeAttention` (kernels/native/decode_attention.hpp) takes the attention
-and the cache together: the variable becomes u8 [1, Hkv, L, D + 8], each row a token's D
-quantised bytes followed by its scale and zero point (f32), quantised exactly as the plugin
-quantises its own cache (`pack`; tests/test_native_decode_attention.py checks it bit for bit
-against the plugin's state), and the op appends the token's rows and attends over the cache.
+and the cache together, and holds the cache itself, outside OpenVINO's state: per layer and kv
+head u8 rows of D quantised bytes followed by the row's scale and zero point (f32), quantised
+exactly as the plugin quantises its own cache (`pack`; tests/test_native_decode_attention.py
+checks it bit for bit against the plugin's state). A step writes its token's rows in place; as
+a state variable (session 23) the cache had to be written whole at every step.
 
-A rewrite for the decode graph only (one token, batch 1: `q16_decode.pin_one_token`); the
-prefill graph keeps the f32 cache and the engine converts the state when it moves between them
-(`to_state`). The variable keeps its id, so snapshots name the same variables in either form.
-`beam_idx`'s Gather is dropped (batch 1: the index is 0). CPU only.
+A rewrite for the decode graph only (one token, batch 1: `q16_decode.pin_one_token`). The layer's
+state variables leave the graph; the op names the store by a new input (`STORE`, fed by the engine)
+and its `slot` attribute, and reads the past length from `attention_mask`. The engine moves,
+snapshots and resets the caches through `KvStore`; in snapshots they keep their variables' ids,
+in the packed u8 form [1, Hkv, L, D + 8], and the engine converts them for the graphs that hold
+the f32 form (`to_state`). `beam_idx`'s Gather is dropped (batch 1: the index is 0). CPU only.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +34,7 @@ from kernels.native_attention import RewriteError, _scale, _unrepeated
 
 NAME = "native_decode_attention"
 EXTRA = 8  # bytes after a row's quantised values: its scale and zero point, f32
+STORE = "iq36_kv_store"  # the decode graph's input naming the engine's KvStore
 
 
 def pack(x: np.ndarray) -> np.ndarray:
@@ -68,11 +75,96 @@ def to_state(array: np.ndarray, variable_id: str, packed: frozenset[str]) -> np.
     return unpack(array) if is_packed else array
 
 
-def packed_variables(model: Any) -> frozenset[str]:
-    """The ids of `model`'s state variables in the packed u8 form (after `apply`)."""
-    from openvino import Type
+@dataclass(frozen=True)
+class Slot:
+    """One layer's cache in the store: its slot, the ids of the variables it replaced (its names in
+    snapshots), its kv heads and bytes per row (head size + EXTRA)."""
 
-    return frozenset(v.info.variable_id for v in model.get_variables() if v.info.data_type == Type.u8)
+    slot: int
+    key: str
+    value: str
+    heads: int
+    row: int
+
+
+def slots(model: Any) -> list[Slot]:
+    """The caches `model`'s DecodeAttention ops keep (after `apply`), in slot order."""
+    found = []
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "DecodeAttention":
+            continue
+        attrs = node.get_attributes()
+        shape = node.input_value(1).get_partial_shape()  # the token's k [1, Hkv, 1, D]
+        found.append(Slot(int(attrs["slot"]), str(attrs["key"]), str(attrs["value"]), shape[1].get_length(),
+                          shape[3].get_length() + EXTRA))
+    return sorted(found, key=lambda s: s.slot)
+
+
+class KvStore:
+    """An engine's DecodeAttention caches, reached through the native library's `iq36_kv_*`
+    functions (the library OpenVINO loaded: one copy per process, so the same stores). Named by a
+    process-unique id below 2^31 (the CPU plugin narrows i64 inputs to i32) fed to the decode
+    graph as `STORE` (`feed`); a store missing from the library (never written, or dropped) holds
+    no tokens, and a step after P tokens on a store holding fewer fails instead of attending to
+    garbage."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, layers: list[Slot]) -> None:
+        import ctypes
+
+        from kernels import native
+
+        lib = ctypes.CDLL(str(native.library()))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.iq36_kv_length.argtypes, lib.iq36_kv_length.restype = [i64, i64], i64
+        for name in ("iq36_kv_read", "iq36_kv_write"):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [i64, i64, ptr, ptr, i64, i64, i64], ctypes.c_int
+        lib.iq36_kv_drop.argtypes, lib.iq36_kv_drop.restype = [i64], None
+        self._lib = lib
+        self.id = next(self._ids)
+        self.feed = np.array([self.id], dtype=np.int64)
+        self.layers = tuple(layers)
+        self.variables = frozenset(v for s in self.layers for v in (s.key, s.value))
+
+    def read(self, max_bytes: int) -> dict[str, np.ndarray] | None:
+        """Copies of every cache, by variable id ([1, Hkv, L, row] u8), or None past `max_bytes`."""
+        states: dict[str, np.ndarray] = {}
+        total = 0
+        for s in self.layers:
+            n = int(self._lib.iq36_kv_length(self.id, s.slot))
+            total += 2 * s.heads * n * s.row
+            if total > max_bytes:
+                return None
+            k, v = (np.empty((1, s.heads, n, s.row), dtype=np.uint8) for _ in range(2))
+            if self._lib.iq36_kv_read(self.id, s.slot, k.ctypes.data, v.ctypes.data, s.heads, n, s.row):
+                raise RuntimeError(f"reading KV store slot {s.slot} ({n} tokens) failed")
+            states[s.key], states[s.value] = k, v
+        return states
+
+    def write(self, states: Mapping[str, np.ndarray]) -> None:
+        """Set every cache from packed arrays by variable id. Raises ValueError, before touching
+        anything, unless `states` holds every cache in its shape (a partial restore would leave
+        layers at other lengths)."""
+        missing = sorted(self.variables - states.keys())
+        if missing:
+            raise ValueError(f"snapshot does not match the decode graph's KV caches: missing {missing}")
+        arrays = []
+        for s in self.layers:
+            k, v = (np.ascontiguousarray(states[name]) for name in (s.key, s.value))
+            want = (1, s.heads, k.shape[2] if k.ndim == 4 else -1, s.row)
+            if k.dtype != np.uint8 or v.dtype != np.uint8 or k.shape != want or v.shape != want:
+                raise ValueError(f"KV cache {s.key}: {k.dtype} {k.shape} / {v.dtype} {v.shape}, "
+                                 f"expected packed u8 [1, {s.heads}, L, {s.row}]")
+            arrays.append((s, k, v))
+        for s, k, v in arrays:
+            if self._lib.iq36_kv_write(self.id, s.slot, k.ctypes.data, v.ctypes.data, s.heads, k.shape[2], s.row):
+                raise RuntimeError(f"writing KV store slot {s.slot} failed")
+
+    def drop(self) -> None:
+        """Forget every cache (their memory too): the next step must follow 0 tokens."""
+        self._lib.iq36_kv_drop(self.id)
 
 
 def _cache(concat: Any) -> tuple[Any, Any, Any] | None:
@@ -89,10 +181,10 @@ def _cache(concat: Any) -> tuple[Any, Any, Any] | None:
     return read, assigns[0], concat.input_value(1)
 
 
-def _keep_shape_readers(read: Any, new_read: Any, head_size: int) -> None:
+def _keep_shape_readers(read: Any, mask: Any, heads: int, head_size: int) -> None:
     """The export also reads a cache's shape (the past length for the positions: ShapeOf of the
-    Gather on the ReadValue): such readers get the old shape, [1, Hkv, P, D], from the new
-    variable's [1, Hkv, P, D + 8]. Anything else reading the old cache is not the export's form."""
+    Gather on the ReadValue): such readers get [1, Hkv, P, D] with P from `attention_mask`
+    ([1, P + 1] in a decode step). Anything else reading the old cache is not the export's form."""
     from openvino import opset15 as ops
 
     outputs = [read.output(0)]
@@ -107,25 +199,30 @@ def _keep_shape_readers(read: Any, new_read: Any, head_size: int) -> None:
                 raise RewriteError(f"{read.get_friendly_name()}: the KV cache is read by {node.get_type_name()} "
                                    f"{node.get_friendly_name()}, not only by its concatenation and a ShapeOf")
             kind = node.get_output_element_type(0)
-            shape = ops.shape_of(new_read, kind.get_type_name())
-            head = ops.slice(shape, np.array([0]), np.array([3]), np.array([1]))
-            tail = ops.constant(np.array([head_size], dtype=kind.to_dtype()))
-            old_shape = ops.concat([head, tail], 0)
+            dtype = kind.to_dtype()
+            length = ops.gather(ops.shape_of(mask, kind.get_type_name()), np.array([1]), np.array(0))
+            past = ops.subtract(length, np.array([1], dtype=dtype))
+            old_shape = ops.concat([ops.constant(np.array([1, heads], dtype=dtype)), past,
+                                    ops.constant(np.array([head_size], dtype=dtype))], 0)
             for reader in list(node.output(0).get_target_inputs()):
                 reader.replace_source_output(old_shape.output(0))
 
 
 def apply(model: Any) -> Any:
-    """Rewrite the decode graph `model` (before compile) in place; returns it (its packed cache
-    variables: `packed_variables`). Raises RewriteError if it has no attention of the export's
-    form."""
-    from openvino import PartialShape, Type, opset6
+    """Rewrite the decode graph `model` (before compile) in place; returns it (its caches:
+    `slots`). Raises RewriteError if it has no attention of the export's form."""
+    from openvino import Type
     from openvino import opset15 as ops
-    from openvino.op.util import Variable, VariableInfo
 
     from kernels import native
 
     native.require_cpu(NAME, RewriteError)
+    names = {name for p in model.inputs for name in p.get_names()}
+    if "attention_mask" not in names:
+        raise RewriteError("the model has no attention_mask input (the past length the op reads)")
+    mask = model.input("attention_mask")
+    store = ops.parameter([1], Type.i64, name=STORE)
+    store.output(0).get_tensor().set_names({STORE})
     done = 0
     for sdpa in [op for op in model.get_ordered_ops() if op.get_type_name() == "ScaledDotProductAttention"]:
         if sdpa.get_attributes().get("causal") or sdpa.get_input_size() < 4:
@@ -146,38 +243,24 @@ def apply(model: Any) -> Any:
         kc, vc = _cache(k.get_node()), _cache(v.get_node())
         if kc is None or vc is None:
             continue
-        states = []
-        for read, assign, _ in (kc, vc):
-            old = model.get_variable_by_id(read.get_variable_id())
-            kv = old.info.data_shape[1]
+        ids = []
+        for read, _, _ in (kc, vc):
+            kv = model.get_variable_by_id(read.get_variable_id()).info.data_shape[1]
             if kv.is_dynamic:
-                break
+                raise RewriteError(f"{sdpa.get_friendly_name()}: a KV cache variable without a static head count")
+            ids.append(read.get_variable_id())
+        for read, assign, _ in (kc, vc):
+            _keep_shape_readers(read, mask, kv.get_length(), head_size)
             model.remove_sink(assign)
-            model.remove_variable(old)
-            info = VariableInfo()
-            info.variable_id = old.info.variable_id
-            info.data_type = Type.u8
-            info.data_shape = PartialShape([1, kv.get_length(), -1, head_size + EXTRA])
-            variable = Variable(info)
-            model.add_variables([variable])
-            empty = ops.constant(np.zeros((1, kv.get_length(), 0, head_size + EXTRA), dtype=np.uint8))
-            new_read = opset6.read_value(empty, variable)
-            _keep_shape_readers(read, new_read, head_size)
-            states.append((variable, new_read))
-        if len(states) != 2:
-            raise RewriteError(f"{sdpa.get_friendly_name()}: a KV cache variable without a static head count")
-        node = native.factory().create(
-            "DecodeAttention", [q, kc[2], vc[2], states[0][1].output(0), states[1][1].output(0), scale])
+            model.remove_variable(model.get_variable_by_id(read.get_variable_id()))
+        node = native.factory().create("DecodeAttention", [q, kc[2], vc[2], mask, store.output(0), scale],
+                                       {"slot": done, "key": ids[0], "value": ids[1]})
         node.set_friendly_name(f"{sdpa.get_friendly_name()}/{NAME}")
         for target in list(sdpa.output(0).get_target_inputs()):
             target.replace_source_output(node.output(0))
-        for (variable, read), out in zip(states, (node.output(1), node.output(2)), strict=True):
-            # the Python Assign takes a node's first output only: made on the ReadValue, then moved
-            assign = opset6.assign(read, variable)
-            assign.input(0).replace_source_output(out)
-            model.add_sinks([assign])
         done += 1
     if not done:
         raise RewriteError("no ScaledDotProductAttention of the export's form in the model")
+    model.add_parameters([store])
     model.validate_nodes_and_infer_types()
     return model

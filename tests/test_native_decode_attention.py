@@ -54,51 +54,131 @@ def test_pack_is_the_plugins_u8_kv_cache(tiny_dir: Path) -> None:
     assert nda.to_state(x, "k", frozenset()) is x and nda.to_state(packed, "k", frozenset({"k"})) is packed
 
 
-def _op(q: np.ndarray, k: np.ndarray, v: np.ndarray, past_k: np.ndarray, past_v: np.ndarray,
-        scale: float) -> list[np.ndarray]:
-    import openvino as ov
-    from openvino import opset15 as op
+class _Op:
+    """One DecodeAttention layer (slot 0) compiled alone, with a KvStore of its own."""
 
-    params = [op.parameter(list(a.shape), a.dtype) for a in (q, k, v, past_k, past_v)]
-    node = native.factory().create("DecodeAttention", [*(p.output(0) for p in params),
-                                                       op.constant(np.float32(scale)).output(0)])
-    model = ov.Model([node.output(i) for i in range(3)], params)
-    core = ov.Core()
-    native.register(core)
-    request = core.compile_model(model, "CPU").create_infer_request()
-    request.infer([q, k, v, past_k, past_v])
-    return [np.array(request.get_output_tensor(i).data) for i in range(3)]
+    def __init__(self, heads: int, kv: int, size: int) -> None:
+        import openvino as ov
+        from openvino import opset15 as op
+
+        self.scale = 1 / np.sqrt(size)
+        self.q = op.parameter([1, heads, 1, size], np.float32)
+        self.k, self.v = (op.parameter([1, kv, 1, size], np.float32) for _ in range(2))
+        self.mask = op.parameter([1, -1], np.int64)
+        self.store_input = op.parameter([1], np.int64)
+        node = native.factory().create(
+            "DecodeAttention", [self.q.output(0), self.k.output(0), self.v.output(0), self.mask.output(0),
+                                self.store_input.output(0), op.constant(np.float32(self.scale)).output(0)],
+            {"slot": 0, "key": "k", "value": "v"})
+        model = ov.Model([node.output(0)], [self.q, self.k, self.v, self.mask, self.store_input])
+        core = ov.Core()
+        native.register(core)
+        self.request = core.compile_model(model, "CPU").create_infer_request()
+        self.store = nda.KvStore(nda.slots(model))
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int) -> np.ndarray:
+        self.request.infer([q, k, v, np.ones((1, past + 1), np.int64), self.store.feed])
+        return np.array(self.request.get_output_tensor(0).data)
 
 
 @pytest.mark.parametrize(("kv", "group", "size", "past"),
                          [(2, 8, 256, 0), (2, 8, 256, 1100), (1, 2, 64, 37), (1, 10, 64, 600), (2, 3, 32, 512)])
 def test_decode_attention_is_attention_over_the_dequantised_cache(kv: int, group: int, size: int,
                                                                   past: int) -> None:
-    """The op appends the token's rows, quantised as `pack` does (bit for bit), and attends over
-    the whole cache, its own key included, as float64 does over the dequantised cache; spans of
-    512 keys and more than 8 query heads per kv head included."""
+    """The op appends the token's rows to its store, quantised as `pack` does (bit for bit), and
+    attends over the whole cache, its own key included, as float64 does over the dequantised
+    cache; spans of 512 keys and more than 8 query heads per kv head included."""
     rng = np.random.default_rng(past + group)
     q = rng.standard_normal((1, kv * group, 1, size)).astype(np.float32)
     k, v = (_rows(rng, (1, kv, 1, size)) for _ in range(2))
-    past_k, past_v = (nda.pack(_rows(rng, (1, kv, max(past, 3), size)))[:, :, :past] for _ in range(2))
-    scale = 1 / np.sqrt(size)
-    out, k_all, v_all = _op(q, k, v, np.ascontiguousarray(past_k), np.ascontiguousarray(past_v), scale)
+    past_k, past_v = (np.ascontiguousarray(nda.pack(_rows(rng, (1, kv, max(past, 3), size)))[:, :, :past])
+                      for _ in range(2))
+    layer = _Op(kv * group, kv, size)
+    try:
+        layer.store.write({"k": past_k, "v": past_v})
+        out = layer(q, k, v, past)
+        cache = layer.store.read(max_bytes=1 << 40)
+    finally:
+        layer.store.drop()
+    assert cache is not None
+    k_all, v_all = cache["k"], cache["v"]
     assert np.array_equal(k_all, np.concatenate([past_k, nda.pack(k)], axis=2))
     assert np.array_equal(v_all, np.concatenate([past_v, nda.pack(v)], axis=2))
     keys, values = nda.unpack(k_all)[0].astype(np.float64), nda.unpack(v_all)[0].astype(np.float64)
     queries = q.reshape(kv, group, size).astype(np.float64)
-    scores = np.einsum("hgd,htd->hgt", queries, keys) * scale
+    scores = np.einsum("hgd,htd->hgt", queries, keys) * layer.scale
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     want = np.einsum("hgt,htd->hgd", weights, values).reshape(q.shape)
     assert np.abs(out - want).max() <= 2e-6 * np.abs(want).max()
 
 
+def test_the_store_grows_in_place_and_rewinds() -> None:
+    """Steps append to the store across its growth (past 256 and 1024 + 256 rows: copies keep
+    every row); a step after fewer tokens than the store holds overwrites from there (a rewind);
+    a step after more tokens than it holds fails, as does one after a drop; `read` stops at
+    `max_bytes`."""
+    kv, group, size = 2, 4, 32
+    rng = np.random.default_rng(3)
+    layer = _Op(kv * group, kv, size)
+    steps = 1400
+    ks, vs = (_rows(rng, (1, kv, steps, size)) for _ in range(2))
+    q = rng.standard_normal((1, kv * group, 1, size)).astype(np.float32)
+    try:
+        for t in range(steps):
+            layer(q, ks[:, :, t:t + 1], vs[:, :, t:t + 1], t)
+        cache = layer.store.read(max_bytes=1 << 40)
+        assert cache is not None
+        assert np.array_equal(cache["k"], nda.pack(ks)) and np.array_equal(cache["v"], nda.pack(vs))
+        assert layer.store.read(max_bytes=cache["k"].nbytes) is None
+        layer(q, vs[:, :, :1], ks[:, :, :1], 10)  # rewind: the 11th row replaced, 11 rows kept
+        cache = layer.store.read(max_bytes=1 << 40)
+        assert cache is not None and cache["k"].shape[2] == 11
+        assert np.array_equal(cache["k"][:, :, :10], nda.pack(ks[:, :, :10]))
+        assert np.array_equal(cache["k"][:, :, 10:], nda.pack(vs[:, :, :1]))
+        with pytest.raises(RuntimeError, match="holds 11 tokens"):
+            layer(q, ks[:, :, :1], vs[:, :, :1], 12)
+        layer.store.drop()
+        cache = layer.store.read(max_bytes=1 << 40)
+        assert cache is not None and {a.shape for a in cache.values()} == {(1, kv, 0, size + nda.EXTRA)}
+        with pytest.raises(RuntimeError, match="holds 0 tokens"):
+            layer(q, ks[:, :, :1], vs[:, :, :1], 1)
+    finally:
+        layer.store.drop()
+
+
+def test_store_write_refuses_what_is_not_its_caches() -> None:
+    """A missing cache or another shape or dtype is refused before anything is written."""
+    layer = _Op(4, 2, 32)
+    good = nda.pack(np.ones((1, 2, 5, 32), np.float32))
+    try:
+        with pytest.raises(ValueError, match="missing"):
+            layer.store.write({"k": good})
+        with pytest.raises(ValueError, match="expected packed u8"):
+            layer.store.write({"k": good, "v": good[:, :, :4]})
+        with pytest.raises(ValueError, match="expected packed u8"):
+            layer.store.write({"k": good, "v": nda.unpack(good)})
+        assert layer.store.read(max_bytes=1 << 40)["k"].shape == (1, 2, 0, 40)  # nothing written
+    finally:
+        layer.store.drop()
+
+
 def test_decode_attention_refuses_more_than_one_token() -> None:
-    q = np.zeros((1, 2, 2, 32), np.float32)
-    k = np.zeros((1, 1, 2, 32), np.float32)
+    import openvino as ov
+    from openvino import opset15 as op
+
+    shapes = ([1, 2, 2, 32], [1, 1, 2, 32], [1, 1, 2, 32])
+    params = [*(op.parameter(s, np.float32) for s in shapes), op.parameter([1, 3], np.int64),
+              op.parameter([1], np.int64)]
+    node = native.factory().create("DecodeAttention", [*(x.output(0) for x in params),
+                                                       op.constant(np.float32(0.1)).output(0)],
+                                   {"slot": 0, "key": "k", "value": "v"})
+    core = ov.Core()
+    native.register(core)
+    request = core.compile_model(ov.Model([node.output(0)], params), "CPU").create_infer_request()
     with pytest.raises(RuntimeError):
-        _op(q, k, k, np.zeros((1, 1, 4, 40), np.uint8), np.zeros((1, 1, 4, 40), np.uint8), 0.1)
+        request.infer([*(np.zeros(s, np.float32) for s in shapes), np.ones((1, 3), np.int64),
+                       np.zeros((1,), np.int64)])
 
 
 def _engine(model_dir: Path, on: bool, prefix_cache: bool = False, **properties: Any) -> Any:
@@ -129,7 +209,8 @@ def test_engine_decodes_as_with_the_plugins_cache(tiny_dir: Path) -> None:
     on, off = _engine(tiny_dir, True), _engine(tiny_dir, False)
     assert nda.NAME in on.describe()["kernels"] and nda.NAME not in off.describe()["kernels"]
     assert on.graph_hash != off.graph_hash
-    assert on._packed and all(".key." in n or ".value." in n for n in on._packed)
+    assert on._kv.variables and all(".key." in n or ".value." in n for n in on._kv.variables)
+    assert not any(".key." in v.name or ".value." in v.name for v in on._decode_request.query_state())
     try:
         got = np.stack(list(on.forced_logits(prompt, forced)))
         want = np.stack(list(off.forced_logits(prompt, forced)))
@@ -172,7 +253,7 @@ def test_the_switch_does_nothing_where_the_plugins_cache_is_not_u8(tiny_dir: Pat
     does not: the decode graph keeps the plugin's attention and the engine does not report it."""
     engine = _engine(tiny_dir, True, KV_CACHE_PRECISION="f32")
     try:
-        assert nda.NAME not in engine.describe()["kernels"] and not engine._packed
+        assert nda.NAME not in engine.describe()["kernels"] and engine._kv is None
         runtime = engine._decode_compiled.get_runtime_model().get_ops()
         types = {op.get_rt_info()["layerType"].astype(str) for op in runtime}
         assert "ScaledDotProductAttention" in types  # the plugin's fused attention and cache

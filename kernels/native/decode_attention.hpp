@@ -1,31 +1,38 @@
 // DecodeAttention: a full-attention layer's attention for one decode token over a u8 KV cache the
-// op keeps in the model state itself, quantised exactly as the CPU plugin quantises its own.
+// op keeps itself, outside OpenVINO's state, quantised exactly as the CPU plugin quantises its own.
 //
-// DecodeAttention(q, k, v, past_k, past_v, scale) -> out, k_all, v_all
-//   q               f32 [1, Hq, 1, D]          the token's queries (rotary applied)
-//   k, v            f32 [1, Hkv, 1, D]         the token's key and value (rotary applied to k)
-//   past_k, past_v  u8  [1, Hkv, P, D + 8]     the cache: per token and kv head a row of D
-//                                              quantised bytes, then its scale and zero point (f32)
-//   scale           f32 scalar                 softmax scale (the export's 1 / sqrt(D))
+// DecodeAttention(q, k, v, attention_mask, store, scale) -> out
+//   attributes: slot (int64, which of the engine's layers), key and value (the ids of the state
+//   variables the export kept this layer's cache in: the engine's snapshots keep those names)
+//   q               f32 [1, Hq, 1, D]     the token's queries (rotary applied)
+//   k, v            f32 [1, Hkv, 1, D]    the token's key and value (rotary applied to k)
+//   attention_mask  any [1, P + 1]        only its length is read: P tokens precede this one
+//   store           i64 [1]               the engine's KV store (`iq36_kv_*` in iq36_ops.cpp); with
+//                                         the `slot` attribute it names this layer's cache (the
+//                                         plugin hands i64 inputs over as i32: ids stay below 2^31)
+//   scale           f32 scalar            softmax scale (the export's 1 / sqrt(D))
 //   out             f32 [1, Hq, 1, D]
-//   k_all, v_all    u8  [1, Hkv, P + 1, D + 8] the cache with the token's rows appended (to Assign)
-// The token sees every key, its own included: the export's mask at batch 1 with every
+// The cache: per kv head, rows of D quantised bytes followed by the row's scale and zero point
+// (f32), one row per token. The op writes the token's rows at position P (the store must hold
+// at least P rows: a shorter store is an error, never garbage), the store's length becomes P + 1,
+// and the token attends to every key, its own included: the export's mask at batch 1 with every
 // attention_mask entry 1, which is all iq36 feeds (worker.reference.stateful_feed).
 //
 // Why: the CPU plugin's fused ScaledDotProductAttentionWithKVCache owns the KV cache (u8 per token
 // and head), and its decode attention ran ~0.55 us per token of context and layer (~15 G
 // multiply-adds/s; Zen 4 EPYC, dev-bench: 2.1 ms a layer at 4096 tokens; docs/perf-log.md). An op
-// of ours cannot take the attention without taking the cache, so the cache becomes a plain state
-// variable in the same quantisation: per token and kv head, scale = (max - min) / 255 (0.0001 if
-// 0), zp = -min / scale, q = clamp(round_half_even(fma(x, 1 / scale, zp)), 0, 255), dequantised
-// (q - zp) * scale. The plugin computes a decode token's attention from its cache after
-// appending the token's quantised rows, and so does this op. The price of a plain state: the
-// op writes the whole cache to its outputs at each step (a copy of P rows it reads anyway).
+// of ours cannot take the attention without taking the cache, in the same quantisation: per token
+// and kv head, scale = (max - min) / 255 (0.0001 if 0), zp = -min / scale,
+// q = clamp(round_half_even(fma(x, 1 / scale, zp)), 0, 255), dequantised (q - zp) * scale. The
+// plugin computes a decode token's attention from its cache after appending the token's quantised
+// rows, and so does this op. Kept as a model state variable (session 23), the cache had to be
+// written whole to the op's outputs at every step (OpenVINO's state semantics: an Assign takes a
+// new tensor); held here it grows in place and a step writes two rows per kv head. The engine
+// moves, snapshots and resets it through the `iq36_kv_*` functions.
 //
-// How: one task per (kv head, span of up to kSpan keys). It copies its span of the past rows to
-// the outputs, then from that hot copy computes the scores of the group's query heads (every
-// key row is converted once and serves all of them), their softmax within the span (its max and
-// sum), and the values' sum weighted by it; the spans then merge by their maxima. AVX2 + FMA.
+// How: one task per (kv head, span of up to kSpan keys): the scores of the group's query heads
+// (every key row is converted once and serves all of them), their softmax within the span (its max
+// and sum), and the values' sum weighted by it; the spans then merge by their maxima. AVX2 + FMA.
 #pragma once
 
 #include <immintrin.h>
@@ -35,7 +42,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
 
 #include <openvino/op/op.hpp>
 #include <tbb/blocked_range.h>
@@ -202,87 +214,162 @@ inline void span(const float* q, const uint8_t* krows, const uint8_t* vrows, siz
 
 }  // namespace dattn
 
+namespace dattn {
+
+// One layer's KV cache: per kv head `cap` rows of W bytes for K and for V, the first `len` valid.
+class Store {
+public:
+    size_t heads() const { return hkv_; }
+    size_t row_bytes() const { return W_; }
+    size_t length() const { return len_; }
+    uint8_t* keys(size_t h) { return k_.get() + h * cap_ * W_; }
+    uint8_t* values(size_t h) { return v_.get() + h * cap_ * W_; }
+
+    // Room for `need` rows of (hkv, W), keeping the first min(len, keep) rows; len = min(len, keep).
+    void reserve(size_t hkv, size_t W, size_t need, size_t keep) {
+        if (hkv != hkv_ || W != W_) {
+            if (len_ && std::min(len_, keep))
+                throw std::runtime_error("DecodeAttention: a layer's KV store changed its head count or row size");
+            release();
+            hkv_ = hkv;
+            W_ = W;
+        }
+        len_ = std::min(len_, keep);
+        if (need <= cap_)
+            return;
+        // doubling: the copies of a growing cache add up to less than its final size
+        const size_t cap = std::max({need, 2 * cap_, size_t(256)});
+        Bytes k = allocate(hkv * cap * W), v = allocate(hkv * cap * W);
+        for (size_t h = 0; h < hkv; ++h) {
+            std::memcpy(k.get() + h * cap * W, keys(h), len_ * W);
+            std::memcpy(v.get() + h * cap * W, values(h), len_ * W);
+        }
+        k_ = std::move(k);
+        v_ = std::move(v);
+        cap_ = cap;
+    }
+    void set_length(size_t len) { len_ = len; }
+    void release() {
+        k_.reset();
+        v_.reset();
+        cap_ = len_ = 0;
+    }
+
+private:
+    struct Free {
+        void operator()(uint8_t* p) const { ::operator delete(p, std::align_val_t{64}); }
+    };
+    using Bytes = std::unique_ptr<uint8_t, Free>;
+    static Bytes allocate(size_t n) { return Bytes(static_cast<uint8_t*>(::operator new(n, std::align_val_t{64}))); }
+
+    Bytes k_, v_;
+    size_t hkv_ = 0, W_ = 0, cap_ = 0, len_ = 0;
+};
+
+// Every store of the process by (engine's store id, layer slot). An engine uses its stores from
+// one thread at a time (its infer calls and its iq36_kv_* calls), so only the map is locked.
+inline std::mutex& registry_lock() {
+    static std::mutex m;
+    return m;
+}
+inline std::map<std::pair<int64_t, int64_t>, std::shared_ptr<Store>>& registry() {
+    static std::map<std::pair<int64_t, int64_t>, std::shared_ptr<Store>> stores;
+    return stores;
+}
+inline std::shared_ptr<Store> find_store(int64_t id, int64_t slot, bool create) {
+    std::lock_guard<std::mutex> lock(registry_lock());
+    auto& stores = registry();
+    auto it = stores.find({id, slot});
+    if (it != stores.end())
+        return it->second;
+    if (!create)
+        return nullptr;
+    auto store = std::make_shared<Store>();
+    stores.emplace(std::make_pair(id, slot), store);
+    return store;
+}
+
+}  // namespace dattn
+
 class DecodeAttention final : public ov::op::Op {
 public:
     OPENVINO_OP("DecodeAttention", "iq36");
 
     DecodeAttention() = default;
-    explicit DecodeAttention(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
+    DecodeAttention(const ov::OutputVector& args, int64_t slot, std::string key, std::string value)
+        : Op(args), m_slot(slot), m_key(std::move(key)), m_value(std::move(value)) {
+        constructor_validate_and_infer_types();
+    }
 
     void validate_and_infer_types() override {
-        NODE_VALIDATION_CHECK(this, get_input_size() == 6, "DecodeAttention takes q, k, v, past_k, past_v, scale");
+        NODE_VALIDATION_CHECK(this, get_input_size() == 6,
+                              "DecodeAttention takes q, k, v, attention_mask, store, scale");
         for (size_t i : {0, 1, 2, 5})
             NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::f32, "q, k, v and scale must be f32");
-        for (size_t i : {3, 4})
-            NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::u8, "the cache inputs must be u8");
-        for (size_t i = 0; i < 5; ++i)
-            NODE_VALIDATION_CHECK(this, get_input_partial_shape(i).rank().compatible(4), "inputs 0-4 must be rank 4");
+        NODE_VALIDATION_CHECK(this, get_input_element_type(4) == ov::element::i64 || get_input_element_type(4) == ov::element::i32,
+                              "store must be i64 (the CPU plugin hands it over as i32)");
+        for (size_t i = 0; i < 3; ++i)
+            NODE_VALIDATION_CHECK(this, get_input_partial_shape(i).rank().compatible(4), "q, k and v must be rank 4");
+        NODE_VALIDATION_CHECK(this, get_input_partial_shape(3).rank().compatible(2), "attention_mask must be rank 2");
         const auto& q = get_input_partial_shape(0);
         if (q.rank().is_static() && q[3].is_static())
             NODE_VALIDATION_CHECK(this, q[3].get_length() % 8 == 0, "the head size must be a multiple of 8");
         set_output_type(0, ov::element::f32, q);
-        for (size_t i : {3, 4}) {
-            ov::PartialShape cache = get_input_partial_shape(i);
-            if (cache.rank().is_static() && cache[2].is_static())
-                cache[2] = cache[2].get_length() + 1;
-            else if (cache.rank().is_static())
-                cache[2] = ov::Dimension::dynamic();
-            set_output_type(i - 2, ov::element::u8, cache);
-        }
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<DecodeAttention>(args);
+        return std::make_shared<DecodeAttention>(args, m_slot, m_key, m_value);
     }
 
-    bool visit_attributes(ov::AttributeVisitor&) override { return true; }
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("slot", m_slot);
+        visitor.on_attribute("key", m_key);
+        visitor.on_attribute("value", m_value);
+        return true;
+    }
     bool has_evaluate() const override { return true; }
 
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
-        const auto qs = inputs[0].get_shape(), ks = inputs[1].get_shape(), ps = inputs[3].get_shape();
-        if (qs.size() != 4 || ks.size() != 4 || ps.size() != 4 || inputs[2].get_shape() != ks ||
-            inputs[4].get_shape() != ps || inputs[5].get_size() != 1)
+        const auto qs = inputs[0].get_shape(), ks = inputs[1].get_shape(), ms = inputs[3].get_shape();
+        if (qs.size() != 4 || ks.size() != 4 || inputs[2].get_shape() != ks || ms.size() != 2 || ms[0] != 1 ||
+            ms[1] == 0 || inputs[4].get_size() != 1 || inputs[5].get_size() != 1)
             return false;
-        const size_t Hq = qs[1], D = qs[3], Hkv = ks[1], P = ps[2], W = D + dattn::kExtra;
-        if (qs[0] != 1 || qs[2] != 1 || ks[0] != 1 || ks[2] != 1 || ks[3] != D || ps[0] != 1 || ps[1] != Hkv ||
-            ps[3] != W || D % 8 || Hkv == 0 || Hq % Hkv)
+        const size_t Hq = qs[1], D = qs[3], Hkv = ks[1], P = ms[1] - 1, L = P + 1, W = D + dattn::kExtra;
+        if (qs[0] != 1 || qs[2] != 1 || ks[0] != 1 || ks[2] != 1 || ks[3] != D || D % 8 || Hkv == 0 || Hq % Hkv)
             return false;
-        const size_t G = Hq / Hkv, L = P + 1;
+        const int64_t id = inputs[4].get_element_type() == ov::element::i64 ? inputs[4].data<const int64_t>()[0]
+                                                                             : inputs[4].data<const int32_t>()[0];
+        const auto store = dattn::find_store(id, m_slot, true);
+        if (store->length() < P)
+            throw std::runtime_error("DecodeAttention: the KV store holds " + std::to_string(store->length()) +
+                                     " tokens, the step follows " + std::to_string(P));
+        store->reserve(Hkv, W, L, P);
+        const size_t G = Hq / Hkv;
         outputs[0].set_shape(qs);
-        outputs[1].set_shape({1, Hkv, L, W});
-        outputs[2].set_shape({1, Hkv, L, W});
         const float* q = inputs[0].data<const float>();
         const float* knew = inputs[1].data<const float>();
         const float* vnew = inputs[2].data<const float>();
-        const uint8_t* kpast = inputs[3].data<const uint8_t>();
-        const uint8_t* vpast = inputs[4].data<const uint8_t>();
         const float scale = inputs[5].data<const float>()[0];
         float* out = outputs[0].data<float>();
-        uint8_t* kall = outputs[1].data<uint8_t>();
-        uint8_t* vall = outputs[2].data<uint8_t>();
         for (size_t h = 0; h < Hkv; ++h) {  // the token's rows first: its own key is in the spans
-            dattn::quantize_row(knew + h * D, D, kall + (h * L + P) * W);
-            dattn::quantize_row(vnew + h * D, D, vall + (h * L + P) * W);
+            dattn::quantize_row(knew + h * D, D, store->keys(h) + P * W);
+            dattn::quantize_row(vnew + h * D, D, store->values(h) + P * W);
         }
+        store->set_length(L);
         const size_t spans = (L + dattn::kSpan - 1) / dattn::kSpan;
         // per (kv head, span): G maxima, G sums, G x D outputs
         const size_t part = G * (2 + D);
         Scratch<float> partial(Hkv * spans * part);
         float* parts = partial.data();
+        dattn::Store& cache = *store;
         tbb::parallel_for(tbb::blocked_range<size_t>(0, Hkv * spans, 1), [&](const tbb::blocked_range<size_t>& r) {
             Scratch<float> scores(G * dattn::kSpan);
             for (size_t i = r.begin(); i != r.end(); ++i) {
                 const size_t h = i / spans, sp = i % spans;
-                const size_t j0 = sp * dattn::kSpan, j1 = std::min(L, j0 + dattn::kSpan), c1 = std::min(P, j1);
-                uint8_t* krows = kall + h * L * W;
-                uint8_t* vrows = vall + h * L * W;
-                if (c1 > j0) {
-                    std::memcpy(krows + j0 * W, kpast + (h * P + j0) * W, (c1 - j0) * W);
-                    std::memcpy(vrows + j0 * W, vpast + (h * P + j0) * W, (c1 - j0) * W);
-                }
+                const size_t j0 = sp * dattn::kSpan, j1 = std::min(L, j0 + dattn::kSpan);
                 float* p = parts + i * part;
-                dattn::span(q + h * G * D, krows, vrows, W, D, G, j0, j1, scale, scores.data(), p, p + G,
-                            p + 2 * G);
+                dattn::span(q + h * G * D, cache.keys(h), cache.values(h), W, D, G, j0, j1, scale, scores.data(), p,
+                            p + G, p + 2 * G);
             }
         });
         for (size_t h = 0; h < Hkv; ++h)
@@ -307,6 +394,10 @@ public:
             }
         return true;
     }
+
+private:
+    int64_t m_slot = 0;  // which of the engine's layers: with the store input, the store's name
+    std::string m_key, m_value;
 };
 
 }  // namespace iq36

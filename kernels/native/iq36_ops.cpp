@@ -11,7 +11,8 @@
 // u4 products also in an AVX-VNNI form, q16_u4_dot.inc, chosen at run time) and
 // CausalConv1d (causal_conv.hpp: a linear-attention layer's short convolution, token-major) and
 // CausalAttention (causal_attention.hpp: a full-attention layer's attention over a prefill chunk) and
-// DecodeAttention (decode_attention.hpp: its attention for a decode token over a u8 cache of its own).
+// DecodeAttention (decode_attention.hpp: its attention for a decode token over a u8 cache of its own,
+// which the engine reaches through the `iq36_kv_*` functions below).
 
 #include "u8_linear.hpp"
 #include "u4_experts.hpp"
@@ -30,3 +31,52 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<iq36::CausalAttention>>(),
     std::make_shared<ov::OpExtension<iq36::DecodeAttention>>(),
 }));
+
+// DecodeAttention's KV stores for the engine (kernels/native_decode_attention.py: KvStore, through
+// ctypes on this library, which the process has loaded once for OpenVINO: the same stores). A
+// store is named by the engine's id and a layer's slot; rows move as [Hkv, len, W] for K and for
+// V. The calls return 0, or -1 where they do not match the store (dims, length), touching nothing.
+#define IQ36_API extern "C" __attribute__((visibility("default")))
+
+IQ36_API int64_t iq36_kv_length(int64_t id, int64_t slot) {
+    const auto store = iq36::dattn::find_store(id, slot, false);
+    return store ? static_cast<int64_t>(store->length()) : 0;
+}
+
+IQ36_API int iq36_kv_read(int64_t id, int64_t slot, uint8_t* k, uint8_t* v, int64_t hkv, int64_t len, int64_t W) {
+    const auto store = iq36::dattn::find_store(id, slot, false);
+    const size_t n = static_cast<size_t>(len), w = static_cast<size_t>(W);
+    if (!store)
+        return len == 0 ? 0 : -1;
+    if (store->length() != n || (n && (store->heads() != static_cast<size_t>(hkv) || store->row_bytes() != w)))
+        return -1;
+    for (size_t h = 0; h < static_cast<size_t>(hkv) && n; ++h) {
+        std::memcpy(k + h * n * w, store->keys(h), n * w);
+        std::memcpy(v + h * n * w, store->values(h), n * w);
+    }
+    return 0;
+}
+
+IQ36_API int iq36_kv_write(int64_t id, int64_t slot, const uint8_t* k, const uint8_t* v, int64_t hkv, int64_t len,
+                           int64_t W) {
+    if (hkv <= 0 || len < 0 || W <= 0)
+        return -1;
+    const auto store = iq36::dattn::find_store(id, slot, true);
+    const size_t n = static_cast<size_t>(len), w = static_cast<size_t>(W);
+    store->release();  // what it held is replaced whole
+    // room for a reply's decode steps past the restored rows before the first doubling copy
+    store->reserve(static_cast<size_t>(hkv), w, n + 1024, 0);
+    for (size_t h = 0; h < static_cast<size_t>(hkv) && n; ++h) {
+        std::memcpy(store->keys(h), k + h * n * w, n * w);
+        std::memcpy(store->values(h), v + h * n * w, n * w);
+    }
+    store->set_length(n);
+    return 0;
+}
+
+// Forget every store of `id` (their memory included): an engine's reset and close.
+IQ36_API void iq36_kv_drop(int64_t id) {
+    std::lock_guard<std::mutex> lock(iq36::dattn::registry_lock());
+    auto& stores = iq36::dattn::registry();
+    stores.erase(stores.lower_bound({id, INT64_MIN}), stores.upper_bound({id, INT64_MAX}));
+}

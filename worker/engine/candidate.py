@@ -146,12 +146,14 @@ _EXCLUSIVE = ({"phase_experts", "native_experts", "grouped_experts"},)
 DECODE_GRAPH = "decode_graph"
 
 # The decode graph's full-attention layers as the native DecodeAttention op, which keeps the KV
-# cache in the model state itself, u8 quantised exactly as the plugin's own cache
-# (kernels/native_decode_attention.py). The cache variables then hold packed u8 rows in the
-# decode graph and f32 in the other graphs: the engine converts a state moving between them
-# (`_restore`); prefix snapshots keep whichever form their graph held. Only where the plugin's
-# own cache would be u8 (its default on x86 CPUs, unless the profile sets KV_CACHE_PRECISION) and
-# there is a decode graph: elsewhere the switch does nothing and the engine does not report it.
+# cache itself, outside the model state, u8 quantised exactly as the plugin's own cache
+# (kernels/native_decode_attention.py). The engine reaches those caches through a KvStore: it
+# writes them when a state moves into the decode graph or a snapshot is restored there, reads them
+# into snapshots of the decode graph's state (under the variables' ids, in the packed u8 form) and
+# drops them on reset; the other graphs hold the f32 form, converted on the way (`_restore`). Only
+# where the plugin's own cache would be u8 (its default on x86 CPUs, unless the profile sets
+# KV_CACHE_PRECISION) and there is a decode graph: elsewhere the switch does nothing and the
+# engine does not report it.
 DECODE_ATTENTION = "native_decode_attention"
 
 # The routed experts' prefill tiles on bf16 dot products (kernels/native_experts.py: bf16_tiles):
@@ -308,12 +310,12 @@ class CandidateEngine:
             native.register(core)  # compiling does not need it; importing a cached blob would
         self._decode_request: Any = None
         self._decode_compiled: Any = None
-        # the decode graph's state variables in DecodeAttention's packed u8 form (DECODE_ATTENTION)
-        self._packed: frozenset[str] = frozenset()
+        # the decode graph's KV caches, held by its DecodeAttention ops (DECODE_ATTENTION)
+        self._kv: Any = None
         if decode is not None and DECODE_ATTENTION in self.kernels:
-            from kernels.native_decode_attention import packed_variables
+            from kernels.native_decode_attention import KvStore, slots
 
-            self._packed = packed_variables(decode)
+            self._kv = KvStore(slots(decode))
         if decode is not None:
             self._decode_compiled = core.compile_model(decode, profile.engine.device, properties)
             self._decode_request = self._decode_compiled.create_infer_request()
@@ -416,6 +418,8 @@ class CandidateEngine:
             self.prefix_cache.clear()
         self._request = self._live = self._prefill_request = self._decode_request = None
         self._compiled = self._prefill_compiled = self._decode_compiled = None
+        if self._kv is not None:
+            self._kv.drop()
 
     def describe(self) -> dict[str, Any]:
         """What the compiled model resolved to (reported in the worker's READY identity)."""
@@ -569,7 +573,7 @@ class CandidateEngine:
             generated = np.asarray(run.stream.token_ids[:run.fed - run.prompt.size], dtype=np.int64)
             tokens = np.concatenate([run.prompt, generated])
         try:
-            states = snapshot(self._live or self._request, self.prefix_cache.max_bytes - tokens.nbytes)
+            states = self._snapshot(self._live or self._request, self.prefix_cache.max_bytes - tokens.nbytes)
             if states is not None:
                 self.prefix_cache.put(tokens, states)
         except Exception:  # never fail a request over the cache
@@ -591,7 +595,7 @@ class CandidateEngine:
         elif request is not self._live:
             # through host copies, as prefix snapshots: handing one request's state tensor to
             # another is not supported
-            self._restore(request, snapshot(self._live, max_bytes=np.iinfo(np.int64).max) or {})
+            self._restore(request, self._snapshot(self._live, max_bytes=np.iinfo(np.int64).max) or {})
             if self._live is self._prefill_request:
                 # its copy is stale now; the prefill graph's KV cache is a plain f32 state
                 # (no plugin cache compression), the largest one the engine holds
@@ -599,18 +603,35 @@ class CandidateEngine:
             self._live = request
         calls = self._calls.get(id(request), 0)
         self._calls[id(request)] = calls + 1
-        request.infer(stateful_feed(ids, past, self._inputs, calls))
+        feed = stateful_feed(ids, past, self._inputs, calls)
+        if self._kv is not None and request is self._decode_request:
+            from kernels.native_decode_attention import STORE
+
+            feed[STORE] = self._kv.feed
+        request.infer(feed)
         return request.get_tensor("logits").data[0, -1]
+
+    def _snapshot(self, request: Any, max_bytes: int) -> dict[str, np.ndarray] | None:
+        """Copies of `request`'s state (`worker.prefix_cache.snapshot`), with the decode graph's
+        KV caches from its store, or None past `max_bytes`."""
+        states = snapshot(request, max_bytes)
+        if states is None or self._kv is None or request is not self._decode_request:
+            return states
+        caches = self._kv.read(max_bytes - sum(a.nbytes for a in states.values()))
+        return None if caches is None else {**states, **caches}
 
     def _restore(self, request: Any, states: dict[str, np.ndarray]) -> None:
         """Set `request`'s state from a snapshot of any of the engine's graphs (every variable;
         see `worker.prefix_cache.restore`): the KV caches converted to the form its graph holds
         (DECODE_ATTENTION's packed u8 rows in the decode graph, f32 elsewhere)."""
-        if self._packed:
+        if self._kv is not None:
             from kernels.native_decode_attention import to_state
 
-            packed = self._packed if request is self._decode_request else frozenset()
+            packed = self._kv.variables if request is self._decode_request else frozenset()
             states = {name: to_state(array, name, packed) for name, array in states.items()}
+            if packed:
+                self._kv.write(states)
+                states = {name: array for name, array in states.items() if name not in packed}
         restore(request, states)
 
     def _reset_state(self) -> None:
@@ -618,6 +639,8 @@ class CandidateEngine:
         # valid one to set): reset every request, and the first inference picks the holder.
         for request in self._requests():
             request.reset_state()
+        if self._kv is not None:
+            self._kv.drop()
         self._live = None
 
     def _requests(self) -> list[Any]:
