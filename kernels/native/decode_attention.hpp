@@ -228,7 +228,7 @@ public:
     // Room for `need` rows of (hkv, W), keeping the first min(len, keep) rows; len = min(len, keep).
     void reserve(size_t hkv, size_t W, size_t need, size_t keep) {
         if (hkv != hkv_ || W != W_) {
-            if (len_ && std::min(len_, keep))
+            if (std::min(len_, keep))
                 throw std::runtime_error("DecodeAttention: a layer's KV store changed its head count or row size");
             release();
             hkv_ = hkv;

@@ -63,8 +63,8 @@ IQ36_API int iq36_kv_write(int64_t id, int64_t slot, const uint8_t* k, const uin
         return -1;
     const auto store = iq36::dattn::find_store(id, slot, true);
     const size_t n = static_cast<size_t>(len), w = static_cast<size_t>(W);
-    store->release();  // what it held is replaced whole
-    // room for a reply's decode steps past the restored rows before the first doubling copy
+    // what it held is replaced whole (keep 0 rows), with room for a reply's decode steps past the
+    // restored rows before the first doubling copy
     store->reserve(static_cast<size_t>(hkv), w, n + 1024, 0);
     for (size_t h = 0; h < static_cast<size_t>(hkv) && n; ++h) {
         std::memcpy(store->keys(h), k + h * n * w, n * w);
