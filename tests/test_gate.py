@@ -65,6 +65,26 @@ def test_smoke_gate_writes_all_outputs_and_claims_nothing(tiny_dir: Path, tmp_pa
     assert elsewhere.returncode == 1 and "another machine" in elsewhere.stderr
 
 
+def test_a_session_warms_up_at_its_longest_case_on_a_prompt_of_its_own(tiny_dir: Path) -> None:
+    """The warm-up sizes the engines' buffers for the longest timed prompt (a short one left the
+    first long prompt of each process slow) and shares no more than the opening `[` with a timed one."""
+    from iq36.gate.prompts import build
+    from iq36.gate.session import Case, warm_up_prompt
+    from worker.tokenizer import ModelTokenizer
+
+    tokenizer = ModelTokenizer(tiny_dir)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    cases = [Case(96, "filler", 96, "b0s0:96:filler", 8), Case(192, "sentinel", 192, "b0s0:192:sentinel", 8),
+             Case(192, "filler", 191, "b0s0:191:nb", 1), Case(192, "filler", 97, "b0s0:97:nb", 1)]
+    warm = warm_up_prompt(encode, cases)
+    assert len(warm) == 192
+    for case in cases:
+        timed = build(encode, case.bucket, case.prompt_class, length=case.length, salt=case.salt).ids
+        shared = next(i for i, (a, b) in enumerate(zip(warm, timed, strict=False)) if a != b)
+        assert shared <= 1
+    assert len(warm_up_prompt(encode, cases[:1])) == 96
+
+
 def test_corrupted_candidate_fails_the_correctness_gate(tiny_dir: Path, tmp_path: Path) -> None:
     """A deliberately wrong rewrite (kernels/perturb.py) must fail; the same case passes without it."""
     from iq36.gate.correctness import CorrectnessSpec, run_case

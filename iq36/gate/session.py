@@ -2,9 +2,10 @@
 
 Run as `python -m iq36.gate.session` with a JSON `SessionSpec` on stdin; prints one JSON line
 per finished case on stdout. The engine compiles with its own compile cache, does one untimed
-warm-up on a prompt that shares no prefix with any timed one, then times each case cold (every
-prompt carries a distinct salt, so no prefix cache can serve it). Both engines are driven
-through the same `Engine` protocol and timed by the same code, so the comparison is fair.
+warm-up as long as the session's longest case on a prompt that shares no prefix with any timed
+one, then times each case cold (every prompt carries a distinct salt, so no prefix cache can
+serve it). Both engines are driven through the same `Engine` protocol and timed by the same
+code, so the comparison is fair.
 """
 
 from __future__ import annotations
@@ -125,6 +126,17 @@ def time_request(engine: Any, request_id: str, ids: tuple[int, ...], output_toke
     }
 
 
+def warm_up_prompt(encode: Any, cases: list[Case]) -> tuple[int, ...]:
+    """The session's untimed warm-up: as long as its longest case, so that both engines have
+    sized their buffers (and the candidate compiled its long-prompt paths) before the first timed
+    prompt. After a 64-token warm-up, the first long prompt of each stock process ran up to 2x
+    slower than the same process's later ones (docs/perf-log.md, sessions 14 and 25), which
+    inflated the ratio of whichever class came first. Its own salt: it shares no prefix with any
+    timed prompt."""
+    longest = max(cases, key=lambda c: c.length)
+    return build(encode, longest.bucket, "prefill-shape", length=longest.length, salt="warm-up").ids
+
+
 def run(spec: SessionSpec, emit: Any) -> None:
     from worker.engine import create
     from worker.tokenizer import ModelTokenizer
@@ -138,9 +150,7 @@ def run(spec: SessionSpec, emit: Any) -> None:
     load_s = time.perf_counter() - t_start
     try:
         with MemorySampler(spec.sample_interval_s) as mem:
-            warm = build(encode, 64, "prefill-shape", length=min(64, spec.cases[0].length),
-                         salt="warm-up")
-            time_request(engine, "warm-up", warm.ids, 4)
+            time_request(engine, "warm-up", warm_up_prompt(encode, spec.cases), 4)
             for i, case in enumerate(spec.cases):
                 prompt = build(encode, case.bucket, case.prompt_class, length=case.length, salt=case.salt)
                 since = time.time()
