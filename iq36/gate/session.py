@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from iq36.gate.prompts import build, sentinel_found
+from iq36.gate.prompts import Encode, build, sentinel_found
 from iq36.profile import EngineSection, Profile, load
 
 
@@ -126,7 +126,7 @@ def time_request(engine: Any, request_id: str, ids: tuple[int, ...], output_toke
     }
 
 
-def warm_up_prompt(encode: Any, cases: list[Case]) -> tuple[int, ...]:
+def warm_up_prompt(encode: Encode, cases: list[Case]) -> tuple[int, ...]:
     """The session's untimed warm-up: as long as its longest case, so that both engines have
     sized their buffers (and the candidate compiled its long-prompt paths) before the first timed
     prompt. After a 64-token warm-up, the first long prompt of each stock process ran up to 2x
