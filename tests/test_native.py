@@ -225,6 +225,19 @@ def test_u4_experts_bf16_few_tokens(nibbles: bool) -> None:
                       nibbles=nibbles, bf16=True)
 
 
+@pytest.mark.skipif(not native.bf16_supported(), reason=f"needs a CPU with {', '.join(native.BF16_CPU_FLAGS)}")
+@pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
+def test_u4_experts_bf16_groups_of_128(nibbles: bool) -> None:
+    """The real model's groups of 128 inputs (gate, up), whose packed nibbles decompress 64 at a
+    time, and groups of 96 for down (one 64-weight step, then one of 32); the experts of
+    `test_u4_experts_bf16_few_tokens` (dot form, padded vectors, whole vectors). Against float64."""
+    rng = np.random.default_rng(13)
+    counts = [3, 10, 11, 17, 40, 1]
+    idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
+    _check_u4_experts(rng, idx, 0, np.float16, experts=len(counts), hidden=640, width=192, groups=(128, 96),
+                      nibbles=nibbles, bf16=True)
+
+
 _AMX_CHECKS = """
 import sys
 import numpy as np
