@@ -152,7 +152,7 @@ inline size_t slice_of(const Packed& m) { return m.group * std::max<size_t>(1, k
 // Rows [r0, r0 + n) of expert e, their first input slice: requested a task ahead of the one that
 // reads them. Within a task each row's next slice is prefetched as it is decompressed; a task's
 // first slice (a few lines of each of its rows, 1 KB apart for gate and up) otherwise arrives one
-// demand miss at a time. With the 64-weight decompression step: the op 5-9% faster at 257-1024
+// demand miss at a time. With the 64-weight decompression step: the op 4-10% faster at 257-1024
 // tokens, E = 256 (docs/perf-log.md, session 27).
 inline void prefetch_slice(const Packed& m, size_t e, size_t r0, size_t n) {
     const size_t row_bytes = m.w4 ? m.in() / 2 : m.in();
