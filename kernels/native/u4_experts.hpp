@@ -627,14 +627,17 @@ public:
                 scales.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
                 dacc.resize(kGateRows * bf16::kDotTokens * 16);
             }
+            const auto prefetch_task = [&](size_t task) {
+                const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
+                prefetch_slice(gate, e, r0, nr);
+                prefetch_slice(up, e, r0, nr);
+            };
+            prefetch_task(r.begin());
             for (size_t task = r.begin(); task != r.end(); ++task) {
                 const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
                 const size_t b = start[e], m = start[e + 1] - b;
-                for (size_t ahead = task == r.begin() ? task : task + 1; ahead <= task + 1 && ahead < r.end(); ++ahead) {
-                    const size_t ea = present[ahead / tiles], ra = (ahead % tiles) * kGateRows, na = std::min(kGateRows, I - ra);
-                    prefetch_slice(gate, ea, ra, na);
-                    prefetch_slice(up, ea, ra, na);
-                }
+                if (task + 1 != r.end())
+                    prefetch_task(task + 1);
                 rows.resize(m);
                 for (size_t i = 0; i < m; ++i)
                     rows[i] = xp + token[b + i] * H;

@@ -60,9 +60,9 @@ IQ36_BF16 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n,
                     _mm_prefetch(reinterpret_cast<const char*>(src + kn / 2 + line), _MM_HINT_T0);
                 // the nibbles as words index a table of bf16(q - z), q < 16 (vpermw reads an index's
                 // low 5 bits: the table twice, so a whole byte indexes its low nibble's entry)
-                const __m512i table = _mm512_zextsi256_si512(reinterpret_cast<__m256i>(
-                    _mm512_cvtneps_pbh(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), zv)))));
-                const __m512i table2 = _mm512_shuffle_i64x2(table, table, 0x44);
+                const __m256i half = reinterpret_cast<__m256i>(
+                    _mm512_cvtneps_pbh(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), zv))));
+                const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
                 const __m128i nib = _mm_set1_epi8(0x0F);
                 // 64 weights per step: 32 bytes as words, each looked up twice (low nibble, high
                 // nibble), the two interleaved (word 2i from the low nibbles' i, 2i + 1 from the
@@ -73,8 +73,8 @@ IQ36_BF16 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n,
                 const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(16));
                 for (; j + 64 <= m.group; j += 64) {
                     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j / 2)));
-                    const __m512i lo = _mm512_permutexvar_epi16(b, table2);
-                    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table2);
+                    const __m512i lo = _mm512_permutexvar_epi16(b, table);
+                    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
                     _mm512_storeu_si512(o + j, _mm512_permutex2var_epi16(lo, even, hi));
                     _mm512_storeu_si512(o + j + 32, _mm512_permutex2var_epi16(lo, odd, hi));
                 }
