@@ -64,6 +64,16 @@ MIN_BYTES = 128 * 1024  # weights below this stay on the plugin (the router, gat
 BLOCK = 128  # the op's activation block: weight groups must be multiples of it
 
 
+# Where the plugin runs the model in bf16 (the engine's `q16_bf16` switch), the u4 products can drop
+# the activations' residual term: x = sx * q, q the int16 term, each input within 2^-16 of its
+# block's largest magnitude, and a third fewer byte products per weight (on a Zen 4 EPYC the u4
+# products are bound by that arithmetic, not by memory: docs/perf-log.md, session 28). The
+# activations reaching the ops there are bf16 values (the plugin's own outputs): an input within
+# 2^8 of its block's largest is exact at 16 bits, and a smaller one's error is at most what bf16
+# costs an input 2^8 times smaller than the largest. u8 weights (the LM head) keep both terms.
+RESIDUAL = "residual"
+
+
 class RewriteError(RuntimeError):
     pass
 
@@ -170,7 +180,7 @@ def _as_bytes(weights: Any) -> Any:
     return const.output(0)
 
 
-def _experts_to_op(node: Any, factory: Any) -> None:
+def _experts_to_op(node: Any, factory: Any, residual: bool = True) -> None:
     """A `native_experts` block: every row to its U4Experts op (with `q16_rows`, so decode rows
     take the integer products), the plugin's fused block dropped. The fused block cannot run the
     decode row's split to zero rows (a reshape inside the plugin's fused pattern rejects an
@@ -188,16 +198,19 @@ def _experts_to_op(node: Any, factory: Any) -> None:
     args[3] = op.constant(np.array([0], np.int64)).output(0)
     for i in (4, 7, 10):  # gate, up and down weights
         args[i] = _as_bytes(args[i])
-    new = factory.create("U4Experts", args, {**node.get_attributes(), "q16_rows": MAX_ROWS, "nibbles": True})
+    new = factory.create("U4Experts", args,
+                         {**node.get_attributes(), "q16_rows": MAX_ROWS, "nibbles": True, "residual": residual})
     new.set_friendly_name(f"{node.get_friendly_name()}/{NAME}")
     for target in list(concats[0].output(0).get_target_inputs()):
         target.replace_source_output(new.output(0))
 
 
-def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool = True) -> Any:
+def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool = True, residual: bool = True) -> Any:
     """Rewrite `model` (before compile) in place; returns it. `min_bytes`: smaller weights stay
     on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it).
-    `split=False`: a decode graph, every matmul replaced outright (any rows run the op)."""
+    `split=False`: a decode graph, every matmul replaced outright (any rows run the op).
+    `residual=False`: the ops round the activations of u4 products to their int16 term alone
+    (`RESIDUAL`), for a model the plugin runs in bf16."""
     from kernels import last_token_logits, native
 
     native.require_cpu(NAME, RewriteError)
@@ -211,7 +224,7 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
     done = 0
     for matmul in model.get_ordered_ops():
         if matmul.get_type_name() == "U4Experts":
-            _experts_to_op(matmul, factory)
+            _experts_to_op(matmul, factory, residual)
             done += 1
             continue
         if matmul.get_type_name() != "MatMul":
@@ -226,7 +239,7 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
             consts[0] = _as_bytes(consts[0])
 
         def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles) -> Any:
-            return factory.create("Q16Linear", [*inputs, *consts], {"nibbles": nibbles})
+            return factory.create("Q16Linear", [*inputs, *consts], {"nibbles": nibbles, "residual": residual})
 
         if is_head or not split:
             out = q16([matmul.input_value(0)]).output(0)

@@ -138,12 +138,13 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scale_type: type, experts: int,
                       hidden: int, width: int, groups: tuple[int, int], q16_rows: int = 0,
                       tol: float = 1e-5, nibbles: bool = False, bf16: bool = False,
-                      round_act: bool | None = None) -> np.ndarray:
+                      round_act: bool | None = None, residual: bool = True) -> np.ndarray:
     """Runs the op (with the `q16_rows` attribute; with `nibbles`, on the weights' packed bytes
     typed u8, as q16_decode hands them over) against float64 within `tol` of the scale; returns
     its output. `bf16`: the `bf16` attribute, with inputs that are bf16 values (as the plugin's
     bf16 nodes hand them over); the reference rounds the act rows of the experts with more than
-    two rows (the tiled ones) to bf16, as the op does (unless `round_act` is False)."""
+    two rows (the tiled ones) to bf16, as the op does (unless `round_act` is False). `residual`:
+    the attribute (False: the q16 rows' activations without their residual term)."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -166,7 +167,7 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
 
         for m in (gate, up, down):
             m[0] = _as_bytes(m[0].output(0)).get_node()
-    attributes = {"q16_rows": q16_rows, "nibbles": nibbles, "bf16": bf16}
+    attributes = {"q16_rows": q16_rows, "nibbles": nibbles, "bf16": bf16, "residual": residual}
     node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down], attributes)
     core = ov.Core()
     request = core.compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()

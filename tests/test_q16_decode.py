@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -123,22 +124,70 @@ def test_q16_linear_u4_as_exported(k: int, group: int, scale_type: type) -> None
     assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
 
 
+def _int16_term(x: np.ndarray) -> np.ndarray:
+    """x as the op rounds it without the residual: per block of 128 inputs sx = max |x| / 32767
+    and x = sx * q, q = rint(x * (32767 / max |x|)), in the op's f32 arithmetic."""
+    blocks = x.reshape(*x.shape[:-1], -1, 128).astype(np.float32)
+    m = np.abs(blocks).max(axis=-1, keepdims=True)
+    inv = np.where(m > 0, np.float32(32767) / np.where(m > 0, m, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -32767, 32767)
+    sx = (m / np.float32(32767)).astype(np.float32)
+    return (sx.astype(np.float64) * q).reshape(x.shape)
+
+
+@pytest.mark.parametrize(("k", "group"), [(2048, 128), (1152, 128), (512, 128), (1024, 256)])
+@pytest.mark.parametrize("shape", [(1,), (3,)], ids=["1", "3"])
+def test_q16_linear_without_the_residual(k: int, group: int, shape: tuple[int, ...]) -> None:
+    """`residual` False (u4): the products of the int16 term alone, x = sx * q per block, to f32
+    accuracy; against the exact x within half a step of q per input (sum |w| sx / 2), and not
+    the products with the residual. u8 weights ignore the attribute (both terms)."""
+    rng = np.random.default_rng(7 * k + group)
+    n = 29
+    x = rng.standard_normal((*shape, k)).astype(np.float32)
+    x[..., 5] = 40.0  # a block whose step is 40 / 32767
+    inputs, dense = _weights(rng, "u4", n, k, group, np.float16)
+    w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
+    got = _run_attrs([w, *inputs[1:]], x, {"nibbles": True, "residual": False})
+    rounded = _int16_term(x)
+    err = np.abs(got - rounded @ dense.T)
+    assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
+    steps = np.repeat(np.abs(x.reshape(*shape, -1, 128)).max(axis=-1) / 32767, 128, axis=-1)
+    assert (np.abs(got - x.astype(np.float64) @ dense.T) <= (steps / 2) @ np.abs(dense).T + _bound(x, dense)).all()
+    with_residual = _run_attrs([w, *inputs[1:]], x, {"nibbles": True})
+    assert not np.array_equal(got, with_residual)
+    u8_inputs, _ = _weights(rng, "u8", n, k, group, np.float16)
+    assert np.array_equal(_run_attrs(u8_inputs, x, {"residual": False}), _run_attrs(u8_inputs, x, {}))
+
+
+def _run_attrs(node_inputs: list, x: np.ndarray, attributes: dict[str, Any]) -> np.ndarray:
+    """The op with these attributes on `x`, its weights as given (u4 bytes already typed u8)."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    core = ov.Core()
+    native.register(core)
+    p = op.parameter(list(x.shape), np.float32, name="x")
+    y = native.factory().create("Q16Linear", [p, *node_inputs], attributes)
+    return np.array(core.compile_model(ov.Model([y], [p]), "CPU").create_infer_request().infer({"x": x})[0])
+
+
 def vnni_probe() -> None:
     """Print the digest of Q16Linear's u4 outputs over shapes that take every path of the
     products (eight- and four-group steps, an odd zero-point nibble, two blocks per group) and
-    an outlier; run in a subprocess by the test below, once per form of the products."""
+    an outlier, with and without the residual; run in a subprocess by the test below, once per
+    form of the products."""
     import hashlib
 
     import openvino as ov
     from openvino import opset15 as op
 
     digest = hashlib.sha256()
-    for k, group in ((2048, 128), (1152, 128), (512, 128), (1024, 256)):
+    for (k, group), residual in itertools.product(((2048, 128), (1152, 128), (512, 128), (1024, 256)), (True, False)):
         rng = np.random.default_rng(k + group)
         inputs, _ = _weights(rng, "u4", 9, k, group, np.float32)
         w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
         node = native.factory().create("Q16Linear", [op.parameter([3, k], np.float32), w, *inputs[1:]],
-                                       {"nibbles": True})
+                                       {"nibbles": True, "residual": residual})
         x = rng.standard_normal((3, k)).astype(np.float32)
         x[1, 3] = -40.0
         out = ov.Tensor(ov.Type.f32, [3, 9])
@@ -156,8 +205,8 @@ _FORMS = {  # the products' forms: the CPU flags each needs, and the environment
 @pytest.mark.parametrize("form", sorted(_FORMS))
 def test_q16_linear_products_are_the_avx2_products_bit_for_bit(form: str) -> None:
     """With AVX-VNNI (ymm) or AVX512-VNNI (zmm) the u4 products take vpdpbusd; their int32 lanes
-    are the AVX2 form's, so every output is bit for bit the same (IQ36_NATIVE_VNNI=0 keeps the
-    AVX2 form, IQ36_NATIVE_AVX512=0 the ymm forms)."""
+    are the AVX2 form's, so every output is bit for bit the same, with the residual and without
+    (IQ36_NATIVE_VNNI=0 keeps the AVX2 form, IQ36_NATIVE_AVX512=0 the ymm forms)."""
     import os
     import subprocess
     import sys
@@ -221,6 +270,24 @@ def test_u4_experts_q16_rows(tokens: int) -> None:
 
     f32, q16 = run(0, 1e-5), run(4, 1e-5)
     assert np.array_equal(f32, q16) == (tokens > 4)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_u4_experts_q16_rows_without_the_residual(tokens: int) -> None:
+    """`residual` False: the q16 rows' activations (x and the act rows) as their int16 term
+    alone, within 2e-4 of the float64 block's scale (the input blocks' steps are ~4e-5 of their
+    largest magnitude here), not the results with the residual; at 5 rows (the tiles) nothing
+    changes."""
+    from tests.test_native import _check_u4_experts
+
+    def run(residual: bool, tol: float) -> np.ndarray:
+        rng = np.random.default_rng(100 + tokens)
+        idx = np.stack([rng.permutation(6)[:3] for _ in range(tokens)]).astype(np.int32)
+        return _check_u4_experts(rng, idx, 0, np.float16, experts=6, hidden=256, width=128, groups=(128, 128),
+                                 q16_rows=4, nibbles=True, tol=tol, residual=residual)
+
+    full, short = run(True, 1e-5), run(False, 2e-4)
+    assert np.array_equal(full, short) == (tokens > 4)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 20])
@@ -509,3 +576,34 @@ def test_decode_graph_needs_q16_decode(tiny_dir: Path) -> None:
     profile = msgspec.structs.replace(profile, kernels={**profile.kernels, "q16_decode": False, "decode_graph": True})
     with pytest.raises(ValueError, match="turn q16_decode on"):
         specialised_model(ov.Core(), tiny_dir, profile)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_q16_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precision: str) -> None:
+    """`q16_bf16` drops the activations' residual in every Q16Linear and U4Experts op of the main
+    model and of the decode graph only where the plugin runs the model in bf16 (the profile's
+    INFERENCE_PRECISION_HINT here; the rewrite does not need a bf16 CPU); the engine reports it
+    then, and the graph identity changes with it."""
+    import msgspec
+    import openvino as ov
+
+    from iq36.profile import load
+    from kernels.graph_hash import structure_hash
+    from worker.engine.candidate import specialised_model
+
+    def specialised(switch: bool) -> tuple[Any, list[str], Any]:
+        profile = load("cpu")
+        properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision}
+        engine = msgspec.structs.replace(profile.engine, properties=properties)
+        profile = msgspec.structs.replace(profile, engine=engine, kernels={**profile.kernels, "q16_bf16": switch})
+        return specialised_model(ov.Core(), tiny_dir, profile)
+
+    model, applied, decode = specialised(True)
+    residual = [n.get_attributes()["residual"] for m in (model, decode) for n in m.get_ops()
+                if n.get_type_name() in ("Q16Linear", "U4Experts")]
+    want = precision == "bf16"
+    assert residual and all(r == (not want) for r in residual)
+    assert ("q16_bf16" in applied) == want
+    off, off_applied, off_decode = specialised(False)
+    assert "q16_bf16" not in off_applied
+    assert (structure_hash(model, decode) != structure_hash(off, off_decode)) == want

@@ -63,12 +63,20 @@ constexpr size_t kMaxInputs = 32768;  // u4 rows: `dot_u4` keeps a row's block s
 // vpdpbusd with VNNI) on the weights' bytes as they are unpacked, with no widening to words.
 // The byte and word vectors are cache-line aligned: a 32-byte load from a 16-byte aligned
 // buffer straddles two lines every other time (AVX2 probe: ~10% of the u4 loop's rate).
+//
+// Without the residual (`residual` false, u4 weights only): x = sx * q, the int16 term alone,
+// rounded to nearest: within sx / 2 = 2^-16 of the block's largest magnitude per input, and the
+// products skip lo8's two byte products per 64 weights (a third of them). For activations that
+// are bf16 already (the plugin's outputs where it runs bf16) that is below their own rounding:
+// an input within 2^8 of the block's largest magnitude is exact at 16 bits, a smaller one's error
+// is at most what bf16 rounding costs an input 2^8 times smaller than the largest.
 struct Row {
     AlignedVector<int16_t> q, lo;  // u8 weights
-    AlignedVector<int8_t> qh, lo8;  // u4 weights
+    AlignedVector<int8_t> qh, lo8;  // u4 weights (lo8 empty without the residual)
     AlignedVector<uint8_t> ql;
     std::vector<float> sx;
     std::vector<float> zq;
+    bool residual = true;
 };
 
 // Where input i of a block of 128 u4 inputs goes. Packed byte j holds inputs 2j (low nibble) and
@@ -86,11 +94,13 @@ inline bool use_zmm();
 // Vectorised: a decode step rounds one row per op call on the calling thread while the other
 // threads wait, so the scalar form (lrintf per input) cost ~17 us per 2048 inputs. Same values:
 // the same f32 products, rounded to nearest even as lrintf does in the default mode.
-inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& r) {
+inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& r, bool residual = true) {
+    residual = residual || !nibbles;  // u8 weights keep their int16 residual
+    r.residual = residual;
     if (nibbles) {
         r.qh.resize(K);
         r.ql.resize(K);
-        r.lo8.resize(K);
+        r.lo8.resize(residual ? K : 0);
     } else {
         r.q.resize(K);
         r.lo.resize(K);
@@ -119,7 +129,8 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
             const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(xb + i), inv);
             const __m256i vi = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(f), q_min), q_max);
             const __m256 res = _mm256_mul_ps(_mm256_sub_ps(f, _mm256_cvtepi32_ps(vi)), vunit);
-            const __m256i li = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(res), l_min), l_max);
+            const __m256i li = residual ? _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(res), l_min), l_max)
+                                        : _mm256_setzero_si256();
             _mm256_store_si256(reinterpret_cast<__m256i*>(v + i), vi);
             _mm256_store_si256(reinterpret_cast<__m256i*>(l + i), li);
             qsum = _mm256_add_epi32(qsum, vi);
@@ -136,12 +147,13 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
         if (nibbles) {
             int8_t* hb = r.qh.data() + b * kBlock;
             uint8_t* qlb = r.ql.data() + b * kBlock;
-            int8_t* lb = r.lo8.data() + b * kBlock;
+            int8_t* lb = residual ? r.lo8.data() + b * kBlock : nullptr;
             for (size_t i = 0; i < kBlock; ++i) {
                 const size_t at = u4_at(i, zmm);
                 hb[at] = static_cast<int8_t>(v[i] >> 8);  // floor: v = 256 * qh + ql, ql in [0, 255]
                 qlb[at] = static_cast<uint8_t>(v[i] & 0xFF);
-                lb[at] = static_cast<int8_t>(l[i]);
+                if (lb)
+                    lb[at] = static_cast<int8_t>(l[i]);
             }
         } else {
             int16_t* qb = r.q.data() + b * kBlock;
@@ -292,11 +304,11 @@ inline void dot(const Weights& W, size_t n, size_t count, const Row& r, float* y
         for (size_t j = 0; j < count; ++j)
             y[j] = dot_u8(W, n + j, r);
     } else if (use_zmm()) {
-        zmm::dot_u4_rows(W, n, count, r, y);
+        r.residual ? zmm::dot_u4_rows<true>(W, n, count, r, y) : zmm::dot_u4_rows<false>(W, n, count, r, y);
     } else if (use_vnni()) {
-        vnni::dot_u4_rows(W, n, count, r, y);
+        r.residual ? vnni::dot_u4_rows<true>(W, n, count, r, y) : vnni::dot_u4_rows<false>(W, n, count, r, y);
     } else {
-        plain::dot_u4_rows(W, n, count, r, y);
+        r.residual ? plain::dot_u4_rows<true>(W, n, count, r, y) : plain::dot_u4_rows<false>(W, n, count, r, y);
     }
 }
 
@@ -307,7 +319,8 @@ public:
     OPENVINO_OP("Q16Linear", "iq36");
 
     Q16Linear() = default;
-    explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false) : Op(args), m_nibbles(nibbles) {
+    explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false, bool residual = true)
+        : Op(args), m_nibbles(nibbles), m_residual(residual) {
         constructor_validate_and_infer_types();
     }
 
@@ -342,13 +355,16 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<Q16Linear>(args, m_nibbles);
+        return std::make_shared<Q16Linear>(args, m_nibbles, m_residual);
     }
 
     // nibbles: w is u8 [N, G, g / 2], the packed bytes of u4 weights (the CPU plugin widens a u4
     // constant that none of its own kernels reads to u8; typed u8 the bytes arrive as they are).
+    // residual: false rounds x to the int16 term alone for u4 weights (`q16::Row`); u8 weights
+    // keep both terms.
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("nibbles", m_nibbles);
+        visitor.on_attribute("residual", m_residual);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -378,7 +394,7 @@ public:
             return true;
         std::vector<q16::Row> rows(M);
         for (size_t m = 0; m < M; ++m)
-            q16::quantize(x.data<const float>() + m * K, K, W.group, W.w4, rows[m]);
+            q16::quantize(x.data<const float>() + m * K, K, W.group, W.w4, rows[m], m_residual);
         float* y = outputs[0].data<float>();
         // Tasks over units of eight weight rows (`dot_u4_8` takes eight at a time), each unit
         // once per row of x while it is in cache.
@@ -404,6 +420,7 @@ private:
     }
 
     bool m_nibbles = false;
+    bool m_residual = true;
 };
 
 }  // namespace iq36

@@ -428,8 +428,8 @@ public:
 
     U4Experts() = default;
     explicit U4Experts(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
-    U4Experts(const ov::OutputVector& args, int64_t q16_rows, bool nibbles, bool bf16)
-        : Op(args), m_q16_rows(q16_rows), m_nibbles(nibbles), m_bf16(bf16) {
+    U4Experts(const ov::OutputVector& args, int64_t q16_rows, bool nibbles, bool bf16, bool residual = true)
+        : Op(args), m_q16_rows(q16_rows), m_nibbles(nibbles), m_bf16(bf16), m_residual(residual) {
         constructor_validate_and_infer_types();
     }
 
@@ -471,7 +471,7 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<U4Experts>(args, m_q16_rows, m_nibbles, m_bf16);
+        return std::make_shared<U4Experts>(args, m_q16_rows, m_nibbles, m_bf16, m_residual);
     }
 
     // q16_rows: when the op has at most this many rows (decode), experts with one or two rows
@@ -484,10 +484,13 @@ public:
     // bf16: the tiles (experts with more than kDirect rows) take bf16 dot products
     // (u4_experts_bf16.hpp) where the CPU has AVX512-BF16, else the f32 tiles: for a model the
     // plugin runs in bf16, whose activations are bf16 values already.
+    // residual: false rounds the q16 rows' activations (x and the act rows) to their int16 term
+    // alone (`q16::Row`: within 2^-16 of a block's largest magnitude), a third fewer products.
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("q16_rows", m_q16_rows);
         visitor.on_attribute("nibbles", m_nibbles);
         visitor.on_attribute("bf16", m_bf16);
+        visitor.on_attribute("residual", m_residual);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -562,7 +565,7 @@ public:
         const q16::Weights qgate = view(gate, E), qup = view(up, E), qdown = view(down, E);
         std::vector<q16::Row> xq(use_q16 ? T - skip : 0), aq(use_q16 ? ids.size() : 0);
         for (size_t t = 0; t < xq.size(); ++t)
-            q16::quantize(xp + (skip + t) * H, H, gate.group, gate.w4, xq[t]);
+            q16::quantize(xp + (skip + t) * H, H, gate.group, gate.w4, xq[t], m_residual);
         // bf16 tiles: the act columns of the tiled experts also as input pairs for down
         const bool bf = m_bf16 && bf16::supported() && H % 2 == 0 && I % 2 == 0 && gate.group % 2 == 0 && down.group % 2 == 0 &&
                         kGateRows % 2 == 0;
@@ -722,7 +725,7 @@ public:
             for (size_t e : present)
                 if (start[e + 1] - start[e] <= kDirect)
                     for (size_t i = 0; i < start[e + 1] - start[e]; ++i)
-                        q16::quantize(act + aoff[e] + i * I, I, down.group, down.w4, aq[start[e] + i]);
+                        q16::quantize(act + aoff[e] + i * I, I, down.group, down.w4, aq[start[e] + i], m_residual);
 
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
@@ -788,6 +791,7 @@ private:
     int64_t m_q16_rows = 0;
     bool m_nibbles = false;
     bool m_bf16 = false;
+    bool m_residual = true;
 };
 
 }  // namespace iq36

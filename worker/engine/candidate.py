@@ -162,6 +162,13 @@ DECODE_ATTENTION = "native_decode_attention"
 # AVX512-BF16; elsewhere the switch does nothing and the engine does not report it.
 EXPERTS_BF16 = "experts_bf16"
 
+# q16_decode's u4 products (the dense matmuls' decode rows and the routed experts' one- and
+# two-row experts) on the activations' int16 term alone, without its residual
+# (kernels/q16_decode.py: RESIDUAL): where `q16_decode` is on and the plugin runs the model in
+# bf16, whose activations are bf16 values already; elsewhere the switch does nothing and the
+# engine does not report it.
+Q16_BF16 = "q16_bf16"
+
 # Rewrites that pay off only for chunks of many tokens: applied to a clone of the main model
 # (after its rewrites; the clone shares the weights) compiled as a model of its own for prefill
 # chunks (> 1 token), while single tokens (decode) run the main or the decode graph (with both,
@@ -181,7 +188,7 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 # Each rewrite's default when the profile's [kernels] table does not name it.
 _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
-KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16})
+KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16, Q16_BF16})
 
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention",
@@ -206,23 +213,30 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
         raise ValueError(f"profile {profile.name}: kernel {DECODE_GRAPH} is q16_decode's decode graph; "
                          "turn q16_decode on in [kernels] too")
     applied, decode, decode_attention = [], None, False
+    # the q16 products without the activations' residual (Q16_BF16)
+    residual = not (profile.kernels.get(Q16_BF16, False) and _plugin_bf16(core, profile))
     for name, (rewrite, default) in _KERNELS.items():
         if profile.kernels.get(name, default):
-            if name == "q16_decode" and decode_graph:
+            if name == "q16_decode":
                 from kernels import q16_decode
 
-                decode = q16_decode.pin_one_token(q16_decode.apply(model.clone(), split=False))
-                if profile.kernels.get(DECODE_ATTENTION, False) and _plugin_kv_u8(core, profile):
-                    from kernels import native_decode_attention
+                if decode_graph:
+                    decode = q16_decode.pin_one_token(q16_decode.apply(model.clone(), split=False, residual=residual))
+                    if profile.kernels.get(DECODE_ATTENTION, False) and _plugin_kv_u8(core, profile):
+                        from kernels import native_decode_attention
 
-                    decode = native_decode_attention.apply(decode)
-                    decode_attention = True
-            model = rewrite(model)
+                        decode = native_decode_attention.apply(decode)
+                        decode_attention = True
+                model = q16_decode.apply(model, residual=residual)
+            else:
+                model = rewrite(model)
             applied.append(name)
     if decode is not None:
         applied.append(DECODE_GRAPH)
         if decode_attention:
             applied.append(DECODE_ATTENTION)
+    if not residual and "q16_decode" in applied:
+        applied.append(Q16_BF16)
     if profile.kernels.get(EXPERTS_BF16, False) and "native_experts" in applied and _plugin_bf16(core, profile):
         from kernels import native, native_experts
 
