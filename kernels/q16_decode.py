@@ -71,6 +71,7 @@ BLOCK = 128  # the op's activation block: weight groups must be multiples of it
 # activations reaching the ops there are bf16 values (the plugin's own outputs): an input within
 # 2^8 of its block's largest is exact at 16 bits, and a smaller one's error is at most what bf16
 # costs an input 2^8 times smaller than the largest. u8 weights (the LM head) keep both terms.
+# The ops' attribute (true: both terms, the default):
 RESIDUAL = "residual"
 
 
@@ -199,7 +200,7 @@ def _experts_to_op(node: Any, factory: Any, residual: bool = True) -> None:
     for i in (4, 7, 10):  # gate, up and down weights
         args[i] = _as_bytes(args[i])
     new = factory.create("U4Experts", args,
-                         {**node.get_attributes(), "q16_rows": MAX_ROWS, "nibbles": True, "residual": residual})
+                         {**node.get_attributes(), "q16_rows": MAX_ROWS, "nibbles": True, RESIDUAL: residual})
     new.set_friendly_name(f"{node.get_friendly_name()}/{NAME}")
     for target in list(concats[0].output(0).get_target_inputs()):
         target.replace_source_output(new.output(0))
@@ -239,7 +240,7 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
             consts[0] = _as_bytes(consts[0])
 
         def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles) -> Any:
-            return factory.create("Q16Linear", [*inputs, *consts], {"nibbles": nibbles, "residual": residual})
+            return factory.create("Q16Linear", [*inputs, *consts], {"nibbles": nibbles, RESIDUAL: residual})
 
         if is_head or not split:
             out = q16([matmul.input_value(0)]).output(0)

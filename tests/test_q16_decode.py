@@ -599,7 +599,7 @@ def test_q16_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precision:
         return specialised_model(ov.Core(), tiny_dir, profile)
 
     model, applied, decode = specialised(True)
-    residual = [n.get_attributes()["residual"] for m in (model, decode) for n in m.get_ops()
+    residual = [n.get_attributes()[q16_decode.RESIDUAL] for m in (model, decode) for n in m.get_ops()
                 if n.get_type_name() in ("Q16Linear", "U4Experts")]
     want = precision == "bf16"
     assert residual and all(r == (not want) for r in residual)
