@@ -92,10 +92,10 @@ def _native_conv(model: Any) -> Any:
     return native_conv.apply(model)
 
 
-def _q16_decode(model: Any) -> Any:
+def _q16_decode(model: Any, residual: bool = True) -> Any:
     from kernels import q16_decode
 
-    return q16_decode.apply(model)
+    return q16_decode.apply(model, residual=residual)
 
 
 def _grouped_experts(model: Any) -> Any:
@@ -217,19 +217,16 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     residual = not (profile.kernels.get(Q16_BF16, False) and _plugin_bf16(core, profile))
     for name, (rewrite, default) in _KERNELS.items():
         if profile.kernels.get(name, default):
-            if name == "q16_decode":
+            if name == "q16_decode" and decode_graph:
                 from kernels import q16_decode
 
-                if decode_graph:
-                    decode = q16_decode.pin_one_token(q16_decode.apply(model.clone(), split=False, residual=residual))
-                    if profile.kernels.get(DECODE_ATTENTION, False) and _plugin_kv_u8(core, profile):
-                        from kernels import native_decode_attention
+                decode = q16_decode.pin_one_token(q16_decode.apply(model.clone(), split=False, residual=residual))
+                if profile.kernels.get(DECODE_ATTENTION, False) and _plugin_kv_u8(core, profile):
+                    from kernels import native_decode_attention
 
-                        decode = native_decode_attention.apply(decode)
-                        decode_attention = True
-                model = q16_decode.apply(model, residual=residual)
-            else:
-                model = rewrite(model)
+                    decode = native_decode_attention.apply(decode)
+                    decode_attention = True
+            model = rewrite(model, residual=residual) if name == "q16_decode" else rewrite(model)
             applied.append(name)
     if decode is not None:
         applied.append(DECODE_GRAPH)
