@@ -100,8 +100,9 @@ def test_u4_experts_is_the_moe_block(skip: int, idx_type: type, scale_type: type
 def test_u4_experts_walks_every_tile_and_tail(skip: int, nibbles: bool) -> None:
     """Shapes that leave a remainder everywhere: an expert with 37 rows (token vectors 2 + 2 + 1,
     3 padded columns), 100 gate/up rows (tasks of 64 + 36), 612 outputs (64-column tasks and a
-    36-column tail; 6-row kernels and a 2-row one), 612 inputs in groups of 36 (slices 252, 252,
-    108; a transpose tail of 4)."""
+    36-column tail; 6-row kernels and a 2-row one), 612 inputs in groups of 36 (whole rows per
+    pass where a task's tile fits L2, else slices 252, 252, 108: `test_u4_experts_in_slices`; a
+    transpose tail of 4)."""
     rng = np.random.default_rng(100 + skip)
     tokens, k, experts = 40, 3, 5
     idx = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
@@ -118,8 +119,8 @@ def test_u4_experts_dot_form_tails(skip: int, nibbles: bool) -> None:
     """The f32 tiles on packed u4 weights in groups of a multiple of 16 (split input order): an
     expert's tokens past whole vectors of 8, when at most 4, in the dot form (3 and 4 tokens:
     only dots; 9, 12: a vector and 1, 4 dots; 13: a padded second vector; 8, 20: whole vectors
-    and none, 4 dots), over inputs walked in three slices (544 = 256 + 256 + 32) and down's
-    48. The u8 weights keep the packed order and padded vectors: the same sums either way."""
+    and none, 4 dots), over whole rows of 544 inputs (or three slices, 256 + 256 + 32:
+    `test_u4_experts_in_slices`) and down's 48. The u8 weights keep the packed order and padded vectors: the same sums either way."""
     rng = np.random.default_rng(200 + skip)
     counts = [3, 4, 9, 12, 13, 8, 20, 1, 2]
     experts = len(counts)
@@ -289,6 +290,58 @@ def test_u4_experts_amx_tiles(tmp_path: Path) -> None:
         assert not np.array_equal(got["0"], got["1"])
     else:
         np.testing.assert_array_equal(got["0"], got["1"])
+
+
+_SLICE_CHECKS = """
+import sys
+import numpy as np
+from kernels import native
+from tests import test_native as t
+
+out = []
+for nibbles in (False, True):
+    for bf16 in (False, True) if native.bf16_supported() else (False,):
+        rng = np.random.default_rng(31)
+        idx = np.stack([rng.permutation(5)[:3] for _ in range(40)]).astype(np.int32)
+        idx[:37, 0] = 0
+        idx[:37, 1:] = np.where(idx[:37, 1:] == 0, 4, idx[:37, 1:])
+        idx[37:, :] = [1, 2, 3]
+        out.append(t._check_u4_experts(rng, idx, 3, np.float16, experts=5, hidden=612, width=100, groups=(36, 20),
+                                       nibbles=nibbles, bf16=bf16))
+        counts = [3, 4, 9, 12, 13, 8, 20, 1, 2]  # f32: dot-form tails; bf16: the dot form and vectors
+        idx = rng.permutation(np.repeat(np.arange(len(counts)), counts))[:, None].astype(np.int32)
+        # bf16 tol 1e-4: an act value within an f32 ulp of a bf16 rounding boundary rounds the other
+        # way than float64's (as in _AMX_CHECKS; ~2e-5 here, whole rows or slices alike)
+        out.append(t._check_u4_experts(rng, idx, 0, np.float16, experts=len(counts), hidden=640, width=192,
+                                       groups=(128, 64), nibbles=nibbles, bf16=bf16, tol=1e-4 if bf16 else 1e-5))
+np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
+print("checked")
+"""
+
+
+def test_u4_experts_in_slices(tmp_path: Path) -> None:
+    """A task's tiles hold whole weight rows where they fit the core's L2 (every shape of these
+    tests, on any machine with 256 KB of it), else about 256 inputs per pass (the real model's
+    2048-input rows on f32 tiles with a 512 KB L2). `IQ36_SLICE_INPUTS=256` forces the slices:
+    612 inputs in groups of 36 as 252 + 252 + 108, 640 in groups of 128 as 256 + 256 + 128, the
+    f32 and bf16 tiles, packed and u8 weights, the dot forms; against float64 as the other
+    U4Experts tests, and not the same bits as whole rows (the f32 sums run in another order:
+    the setting was read)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    got = {}
+    for inputs in ("", "256"):
+        env = {k: v for k, v in os.environ.items() if k != "IQ36_SLICE_INPUTS"}
+        if inputs:
+            env["IQ36_SLICE_INPUTS"] = inputs
+        done = subprocess.run([sys.executable, "-c", _SLICE_CHECKS, str(tmp_path / f"s{inputs}.npy")], cwd=root,
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        got[inputs] = np.load(tmp_path / f"s{inputs}.npy")
+    assert not np.array_equal(got[""], got["256"])
 
 
 _POISONED_CHECKS = """

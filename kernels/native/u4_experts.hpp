@@ -18,7 +18,8 @@
 //
 // How: rows are bucketed by expert. Stage 1, one task per (expert, 128 rows of gate and up): the
 // expert's token rows transposed once (xT: inputs x tokens, padded to 8 tokens), then, one slice
-// of ~256 inputs at a time, the weight rows decompressed to f32 in a thread-local tile and
+// of inputs at a time (whole rows where the tile fits L2, else ~256 inputs: `slice_of`), the
+// weight rows decompressed to f32 in a thread-local tile and
 // multiplied into act[expert][i][token] = silu(gate) * up. Stage 2, one task per 128 output
 // columns (rows of down): for each present expert, the same on its act columns, then
 // y[t, columns] += weight * result -- each task owns its columns, so no two tasks write the same
@@ -44,9 +45,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 #include <openvino/core/type/float16.hpp>
 #include <openvino/op/op.hpp>
@@ -141,22 +145,53 @@ inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0
     }
 }
 
-// The inputs walked per pass: whole groups, about kSlice of them, so that a pass's decompressed
-// weights (rows x slice) and the matching token columns stay in L2 and L1.
+// The inputs walked per pass (whole groups). A task decompresses its rows (at most kTaskRows) x
+// one slice into a thread's tile, then multiplies the tile into the slice's token columns.
+// Whole rows when that tile fits the core's L2: each row's bytes are then read once, front to
+// back, and each product kernel runs once per task with its sums in registers. Measured on a
+// Zen 4 (1 MB L2; the op alone, E = 256): bf16 tiles 100 / 146 / 217 -> 79 / 124 / 188 ms at
+// 257 / 513 / 1024 tokens, f32 tiles 154 / 338 -> 132 / 316 ms at 257 / 1024 (docs/perf-log.md,
+// session 29). Else kSlice inputs, so that the tile stays in L2 and the slice's token columns in
+// L1 (session 11's choice). `IQ36_SLICE_INPUTS=n` walks about n inputs per pass whatever the
+// cache (the tests' way to cover the slices on any machine).
 #ifndef IQ36_SLICE
 #define IQ36_SLICE 256
 #endif
 constexpr size_t kSlice = IQ36_SLICE;
-inline size_t slice_of(const Packed& m) { return m.group * std::max<size_t>(1, kSlice / m.group); }
+constexpr size_t kTaskRows = 128;  // the most rows a stage-1 or stage-2 task takes (kGateRows, kDownRows)
 
-// Rows [r0, r0 + n) of expert e, their first input slice: requested a task ahead of the one that
+inline size_t slice_setting() {
+    static const size_t inputs = [] {
+        const char* env = std::getenv("IQ36_SLICE_INPUTS");
+        return env ? static_cast<size_t>(std::strtoul(env, nullptr, 10)) : size_t{0};
+    }();
+    return inputs;
+}
+
+inline size_t l2_bytes() {
+    static const size_t bytes = [] {
+        const long got = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        return got > 0 ? static_cast<size_t>(got) : size_t{0};
+    }();
+    return bytes;
+}
+
+// Inputs per pass for m's tiles of `bytes` per weight (4: f32, 2: bf16).
+inline size_t slice_of(const Packed& m, size_t bytes) {
+    const size_t forced = slice_setting();
+    if (forced == 0 && kTaskRows * m.in() * bytes <= l2_bytes())
+        return m.in();
+    return m.group * std::max<size_t>(1, (forced ? forced : kSlice) / m.group);
+}
+
+// Rows [r0, r0 + n) of expert e, their first kSlice inputs: requested a task ahead of the one that
 // reads them. Within a task each row's next slice is prefetched as it is decompressed; a task's
 // first slice (a few lines of each of its rows, 1 KB apart for gate and up) otherwise arrives one
 // demand miss at a time. With the 64-weight decompression step: the op 4-10% faster at 257-1024
 // tokens, E = 256 (docs/perf-log.md, session 27).
 inline void prefetch_slice(const Packed& m, size_t e, size_t r0, size_t n) {
     const size_t row_bytes = m.w4 ? m.in() / 2 : m.in();
-    const size_t bytes = std::min(row_bytes, m.w4 ? slice_of(m) / 2 : slice_of(m));
+    const size_t bytes = std::min(row_bytes, m.w4 ? kSlice / 2 : kSlice);
     for (size_t r = 0; r < n; ++r) {
         const char* src = reinterpret_cast<const char*>(m.w + (e * m.out + r0 + r) * row_bytes);
         for (size_t line = 0; line < bytes; line += 64)
@@ -296,12 +331,12 @@ inline void dots(const float* w, size_t n, size_t kn, const float* const* x, siz
 }
 
 // o[c][t] = dot(row r0 + c of expert e, column t of xT) for c < n, t < vecs * 8; the weights
-// are decompressed one slice of inputs at a time into `tile` (n x slice_of(m)).
+// are decompressed one slice of inputs at a time into `tile` (n x slice_of(m, 4)).
 // Then o[c][vecs * 8 + j] = dot(row r0 + c, x[j]) for j < nx token rows (dot form; inputs in
 // the tile's order, kn a multiple of 8 when nx > 0).
 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const float* xT, size_t ldx, size_t vecs, float* tile,
                      float* o, size_t ldo, bool split = false, const float* const* x = nullptr, size_t nx = 0) {
-    const size_t K = m.in(), ks = slice_of(m);
+    const size_t K = m.in(), ks = slice_of(m, 4);
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0);
         decompress(m, e, r0, n, k0, kn, tile, split);
@@ -414,6 +449,7 @@ constexpr size_t kGateRows = IQ36_GATE_ROWS;  // rows of gate and of up per stag
 #define IQ36_DOWN_ROWS 128
 #endif
 constexpr size_t kDownRows = IQ36_DOWN_ROWS;  // rows of down (output columns) per stage-2 task
+static_assert(kGateRows <= kTaskRows && kDownRows <= kTaskRows, "slice_of sizes the tiles for kTaskRows rows");
 
 }  // namespace experts
 }  // namespace iq36
@@ -623,12 +659,14 @@ public:
             thread_local uint64_t held_call = 0;
             thread_local size_t held_expert = 0;
             const uint16_t* xr[bf16::kDotTokens];
-            tile.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
             zero.assign(H, 0.0f);
             if (bf) {
-                tile16.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
-                scales.resize(kGateRows * std::max(slice_of(gate), slice_of(up)));
+                const size_t ks = std::max(bf16::slice_of(gate), bf16::slice_of(up));
+                tile16.resize(kGateRows * ks);
+                scales.resize(kGateRows * ks / std::min(gate.group, up.group));
                 dacc.resize(kGateRows * bf16::kDotTokens * 16);
+            } else {
+                tile.resize(kGateRows * std::max(slice_of(gate, 4), slice_of(up, 4)));
             }
             const auto prefetch_task = [&](size_t task) {
                 const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
@@ -732,11 +770,12 @@ public:
             thread_local std::vector<float> tile, out, scales, dacc;
             thread_local AlignedVector<uint16_t> tile16;
             const uint16_t* xr[bf16::kDotTokens];
-            tile.resize(kDownRows * slice_of(down));
             if (bf) {
-                tile16.resize(kDownRows * slice_of(down));
-                scales.resize(kDownRows * slice_of(down));
+                tile16.resize(kDownRows * bf16::slice_of(down));
+                scales.resize(kDownRows * bf16::slice_of(down) / down.group);
                 dacc.resize(kDownRows * bf16::kDotTokens * 16);
+            } else {
+                tile.resize(kDownRows * slice_of(down, 4));
             }
             out.resize(kDownRows * std::max(ldmax, kDirect));
             for (size_t task = r.begin(); task != r.end(); ++task) {

@@ -271,6 +271,14 @@ IQ36_BF16 inline void dots(const uint16_t* w, const float* s, size_t group, size
     }
 }
 
+// Inputs per pass of the bf16 tiles: experts::slice_of's rule (whole rows when a task's tile fits
+// L2), except with AMX tiles, which keep kSlice: a whole-row tile's rows would lie 4 KB apart
+// (2048 inputs), the stride at which a tile load's 16 rows share one L1 set; not measured on an
+// AMX machine.
+inline size_t slice_of(const Packed& m) {
+    return amx::supported() && slice_setting() == 0 ? m.group * std::max<size_t>(1, kSlice / m.group) : experts::slice_of(m, 2);
+}
+
 // o[c][t] = dot(row r0 + c of expert e, token t) for c < n: tokens t < vecs * 16 from the token
 // columns xp (the lane form), then `rem` more, t = vecs * 16 + j, from the token-major rows xr[j]
 // (the dot form; `acc`: n x rem x 16 floats of scratch).
