@@ -216,10 +216,12 @@ def test_u4_experts_bf16_tiles(nibbles: bool) -> None:
 @pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
 def test_u4_experts_bf16_few_tokens(nibbles: bool) -> None:
     """An expert with fewer tokens than a vector of 16: up to `kDotTokens` (10) of them as dot
-    products over the same tile, more as a padded vector. Experts of 3, 4, 5 and 10 tokens (the
-    dot form: register blocks of 3, then 1 and 2), 11 (padded), 16, 17, 26, 43 (vectors); 102 act
-    rows (4-row blocks and a 2-row tail), groups of 36 and 34 inputs (a masked tail of input
-    pairs in every group). Against float64, as `test_u4_experts_bf16_tiles`."""
+    products over the same tile, more as a padded vector; a longer expert's tokens past whole
+    vectors likewise. Experts of 3, 4, 5 and 10 tokens (the dot form: register blocks of 3, then
+    1 and 2), 11 (padded), 16 (a vector), 17 and 26 (a vector, then 1 and 10 dot-form tokens), 43
+    (two vectors and a padded one); 102 act rows (4-row blocks and a 2-row tail), groups of 36
+    and 34 inputs (a masked tail of input pairs in every group). Against float64, as
+    `test_u4_experts_bf16_tiles`."""
     rng = np.random.default_rng(11)
     counts = [3, 4, 5, 10, 11, 16, 17, 26, 43, 1]  # the last: one row, `direct`
     idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]

@@ -619,9 +619,11 @@ public:
             const size_t m = start[e + 1] - start[e];
             if (m > kDirect) {
                 // f32 tiles: the tokens past whole vectors of 8 in the dot form when at most
-                // kDotTail (splits' tiles: inputs in multiples of 16, whole dot vectors)
-                const bool dot = bf ? m <= dot_tokens : split && m % pad <= kDotTail;
-                rem[e] = !dot ? 0 : bf ? m : m % pad;
+                // kDotTail (splits' tiles: inputs in multiples of 16, whole dot vectors); bf16
+                // tiles: an expert of at most dot_tokens tokens all in the dot form, a longer
+                // one's tokens past whole vectors of 16 too when at most dot_tokens
+                const bool dot = bf ? m <= dot_tokens || m % pad <= dot_tokens : split && m % pad <= kDotTail;
+                rem[e] = !dot ? 0 : bf && m <= dot_tokens ? m : m % pad;
                 lanes[e] = dot ? m - rem[e] : (m + pad - 1) / pad * pad;
                 ld[e] = lanes[e] + rem[e];
             }

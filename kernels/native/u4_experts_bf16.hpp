@@ -188,9 +188,11 @@ IQ36_BF16 inline void gemm(const uint16_t* w, const float* s, size_t group, size
 // lane form; the accumulators live in `acc` (row c, token t at (c * rem + t) * 16) across the
 // slices and are reduced once at the end (`products`). Each product is exact as in the lane
 // form; the f32 sums run in another order. x[t]: token t's inputs of this slice as bf16 words.
-// Measured (the op alone, E = 256, 257 tokens: ~8 per expert): 92.8 -> 77.7-81.9 ms. As the
-// tail of a longer expert (its last m % 16 tokens) it measured no better than the padded vector
-// (E = 64 and 256 at 1024 tokens, within noise or slower): docs/perf-log.md, session 11.
+// Measured (the op alone, E = 256, 257 tokens: ~8 per expert): 92.8 -> 77.7-81.9 ms. Also the
+// tail of a longer expert (its last m % 16 tokens, when at most kDotTokens): with whole-row
+// tiles (`slice_of`) the op 4-8% faster at E = 64, 257-1024 tokens, and 6-15% at E = 256, 513
+// and 1024 (docs/perf-log.md, session 29; with 256-input slices, session 11, it measured no
+// better than the padded vector).
 #ifndef IQ36_DOT_TOKENS
 #define IQ36_DOT_TOKENS 10
 #endif
