@@ -120,7 +120,8 @@ def test_u4_experts_dot_form_tails(skip: int, nibbles: bool) -> None:
     expert's tokens past whole vectors of 8, when at most 4, in the dot form (3 and 4 tokens:
     only dots; 9, 12: a vector and 1, 4 dots; 13: a padded second vector; 8, 20: whole vectors
     and none, 4 dots), over whole rows of 544 inputs (or three slices, 256 + 256 + 32:
-    `test_u4_experts_in_slices`) and down's 48. The u8 weights keep the packed order and padded vectors: the same sums either way."""
+    `test_u4_experts_in_slices`) and down's 48. The u8 weights keep the packed order and padded
+    vectors: the same sums either way."""
     rng = np.random.default_rng(200 + skip)
     counts = [3, 4, 9, 12, 13, 8, 20, 1, 2]
     experts = len(counts)
