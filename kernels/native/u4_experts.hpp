@@ -176,10 +176,11 @@ inline size_t l2_bytes() {
     return bytes;
 }
 
-// Inputs per pass for m's tiles of `bytes` per weight (4: f32, 2: bf16).
-inline size_t slice_of(const Packed& m, size_t bytes) {
+// Inputs per pass for m's tiles of `bytes` per weight (4: f32, 2: bf16); `whole`: whether whole
+// rows may be taken.
+inline size_t slice_of(const Packed& m, size_t bytes, bool whole = true) {
     const size_t forced = slice_setting();
-    if (forced == 0 && kTaskRows * m.in() * bytes <= l2_bytes())
+    if (forced == 0 && whole && kTaskRows * m.in() * bytes <= l2_bytes())
         return m.in();
     return m.group * std::max<size_t>(1, (forced ? forced : kSlice) / m.group);
 }
@@ -618,12 +619,11 @@ public:
         for (size_t e = 0; e < E; ++e) {
             const size_t m = start[e + 1] - start[e];
             if (m > kDirect) {
-                // f32 tiles: the tokens past whole vectors of 8 in the dot form when at most
-                // kDotTail (splits' tiles: inputs in multiples of 16, whole dot vectors); bf16
-                // tiles: an expert of at most dot_tokens tokens all in the dot form, a longer
-                // one's tokens past whole vectors of 16 too when at most dot_tokens
-                const bool dot = bf ? m <= dot_tokens || m % pad <= dot_tokens : split && m % pad <= kDotTail;
-                rem[e] = !dot ? 0 : bf && m <= dot_tokens ? m : m % pad;
+                // the tokens past whole vectors in the dot form when at most kDotTail (f32 tiles;
+                // splits' tiles: inputs in multiples of 16, whole dot vectors) or dot_tokens (bf16
+                // tiles: an expert of fewer tokens than a vector takes the dot form alone)
+                const bool dot = bf ? m % pad <= dot_tokens : split && m % pad <= kDotTail;
+                rem[e] = dot ? m % pad : 0;
                 lanes[e] = dot ? m - rem[e] : (m + pad - 1) / pad * pad;
                 ld[e] = lanes[e] + rem[e];
             }

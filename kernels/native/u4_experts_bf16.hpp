@@ -196,7 +196,8 @@ IQ36_BF16 inline void gemm(const uint16_t* w, const float* s, size_t group, size
 #ifndef IQ36_DOT_TOKENS
 #define IQ36_DOT_TOKENS 10
 #endif
-constexpr size_t kDotTokens = IQ36_DOT_TOKENS;  // experts with at most this many tokens take the dot form
+constexpr size_t kDotTokens = IQ36_DOT_TOKENS;  // at most this many tokens past whole vectors take the dot form
+static_assert(kDotTokens < 16, "the dot-form tokens are those past whole vectors of 16");
 
 template <int C, int R>
 IQ36_BF16 inline void dot_kernel(const uint16_t* w, size_t ldw, const float* s, size_t lds, size_t group, size_t kn,
@@ -277,9 +278,7 @@ IQ36_BF16 inline void dots(const uint16_t* w, const float* s, size_t group, size
 // L2), except with AMX tiles, which keep kSlice: a whole-row tile's rows would lie 4 KB apart
 // (2048 inputs), the stride at which a tile load's 16 rows share one L1 set; not measured on an
 // AMX machine.
-inline size_t slice_of(const Packed& m) {
-    return amx::supported() && slice_setting() == 0 ? m.group * std::max<size_t>(1, kSlice / m.group) : experts::slice_of(m, 2);
-}
+inline size_t slice_of(const Packed& m) { return experts::slice_of(m, 2, !amx::supported()); }
 
 // o[c][t] = dot(row r0 + c of expert e, token t) for c < n: tokens t < vecs * 16 from the token
 // columns xp (the lane form), then `rem` more, t = vecs * 16 + j, from the token-major rows xr[j]
