@@ -347,6 +347,52 @@ def test_u4_experts_in_slices(tmp_path: Path) -> None:
     assert not np.array_equal(got[""], got["256"])
 
 
+_FUSED_CHECKS = """
+import sys
+import numpy as np
+from tests import test_native as t
+
+out = []
+for nibbles in (False, True):
+    rng = np.random.default_rng(37)
+    # whole-dot experts of 3 to 10 tokens (one pass over the weights up to 5, then two), beside a
+    # padded vector (11), a vector with a dot-form tail (17, 26: tiles) and `direct` (1, 2)
+    counts = [3, 4, 5, 6, 7, 8, 9, 10, 11, 17, 26, 1, 2]
+    idx = rng.permutation(np.repeat(np.arange(len(counts)), counts))[:, None].astype(np.int32)
+    # gate/up in groups of 128, down in groups of 256 (two 64-byte loads per group)
+    out.append(t._check_u4_experts(rng, idx, 0, np.float16, experts=len(counts), hidden=640, width=256,
+                                   groups=(128, 256), nibbles=nibbles, bf16=True, tol=1e-4))
+    # gate/up in groups of 256, down in groups of 128; top-2 routing, f32 scales
+    idx = np.stack([rng.permutation(12)[:2] for _ in range(30)]).astype(np.int32)
+    out.append(t._check_u4_experts(rng, idx, 0, np.float32, experts=12, hidden=512, width=384, groups=(256, 128),
+                                   nibbles=nibbles, bf16=True, tol=1e-4))
+np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
+print("checked")
+"""
+
+
+@pytest.mark.skipif(not native.bf16_supported(), reason=f"needs a CPU with {', '.join(native.BF16_CPU_FLAGS)}")
+def test_u4_experts_bf16_fused_dots(tmp_path: Path) -> None:
+    """The bf16 dot form without a tile (`fused_dots`): an expert whose tokens all take the dot
+    form multiplies each weight row's packed bytes as it widens them, against its token rows in
+    the fused order (stage 1: x's rows; stage 2: the act rows). Experts of 3 to 10 tokens beside
+    the tiled forms, groups of 128 and 256 in both stages, packed and u8 weights, against float64;
+    with IQ36_FUSED_DOTS=0 (the tiles) likewise, and not the same bits as the fused form (its f32
+    sums run in another order: the setting was read and the form ran)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    got = {}
+    for fused in ("1", "0"):
+        done = subprocess.run([sys.executable, "-c", _FUSED_CHECKS, str(tmp_path / f"f{fused}.npy")], cwd=root,
+                              capture_output=True, text=True, env={**os.environ, "IQ36_FUSED_DOTS": fused}, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        got[fused] = np.load(tmp_path / f"f{fused}.npy")
+    assert not np.array_equal(got["1"], got["0"])
+
+
 _POISONED_CHECKS = """
 import numpy as np
 from kernels import native

@@ -630,6 +630,14 @@ public:
             aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
             roff[e + 1] = roff[e] + rem[e];
         }
+        // bf16 tiles: an expert whose tokens all take the dot form (at most kDotTokens) takes the
+        // fused form instead, no tile, in a stage whose matrices suit it; its inputs there are rows
+        // in the fused order. The op alone, E = 256: 129 / 257 tokens 61 / 81 -> 47 / 68 ms;
+        // experts of up to 16 or 24 tokens in two or three fused passes were slower than their
+        // tiles (docs/perf-log.md, session 30).
+        const bool fuse1 = bf && bf16::fuses(gate) && bf16::fuses(up) && H % bf16::kFuseBlock == 0;
+        const bool fuse2 = bf && bf16::fuses(down) && I % bf16::kFuseBlock == 0 && kGateRows % bf16::kFuseBlock == 0;
+        const auto fused = [&](bool stage, size_t e) { return stage && lanes[e] == 0 && rem[e] > 0; };
         // Kept between calls (`Scratch`): a prefill chunk's act is T x k x I floats (64 MB at 4096
         // tokens), which as a fresh vector per call was a fresh mmap faulted in page by page.
         // Every element a call reads it has written first (tests/test_native.py, poisoned).
@@ -651,7 +659,7 @@ public:
             thread_local std::vector<float> tile, g, u, zero, scales, dacc;
             thread_local AlignedVector<float> xT;  // AMX tiles load from it and from tile16
             thread_local AlignedVector<uint16_t> tile16;
-            thread_local std::vector<uint16_t> xb;
+            thread_local std::vector<uint16_t> xb, xf;  // xf: a row in the natural order, before fuse_row
             thread_local std::vector<float> xs;
             thread_local std::vector<const float*> rows;
             // the expert whose token columns xT (and xb, bf16) hold (the same call): its other row
@@ -709,8 +717,15 @@ public:
                     const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
                     if (held_call != call || held_expert != e) {
                         xb.resize(m * H);
+                        if (fused(fuse1, e))
+                            xf.resize(H);
                         for (size_t i = 0; i < m; ++i) {
-                            bf16::round_row(rows[i], H, xb.data() + i * H);
+                            if (fused(fuse1, e)) {
+                                bf16::round_row(rows[i], H, xf.data());
+                                bf16::fuse_row(xf.data(), H, xb.data() + i * H);
+                            } else {
+                                bf16::round_row(rows[i], H, xb.data() + i * H);
+                            }
                             rows[i] = reinterpret_cast<const float*>(xb.data() + i * H);
                         }
                         xT.resize(H / 2 * nl);
@@ -722,8 +737,9 @@ public:
                     for (size_t j = 0; j < rem[e]; ++j)
                         xr[j] = xb.data() + (nl + j) * H;
                     const auto* xp = reinterpret_cast<const uint32_t*>(xT.data());
-                    bf16::products(gate, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), g.data(), n);
-                    bf16::products(up, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), u.data(), n);
+                    const bool f = fused(fuse1, e);
+                    bf16::products(gate, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), g.data(), n, f);
+                    bf16::products(up, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), u.data(), n, f);
                 } else {
                     const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
                     if (held_call != call || held_expert != e) {  // as for bf16: the expert's other row tasks reuse it
@@ -750,7 +766,7 @@ public:
                 if (bf) {  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even), the dot-form tokens' as rows
                     bf16::pair_columns(a + r0 * n, nr, n, lanes[e], act2 + (aoff[e] + r0 * n) / 2);
                     if (rem[e] > 0)
-                        bf16::rows_of_columns(a + r0 * n + lanes[e], nr, n, rem[e], actr + roff[e] * I + r0, I);
+                        bf16::rows_of_columns(a + r0 * n + lanes[e], nr, n, rem[e], actr + roff[e] * I + r0, I, fused(fuse2, e));
                 }
             }
         });
@@ -807,7 +823,7 @@ public:
                         for (size_t j = 0; j < rem[e]; ++j)
                             xr[j] = actr + (roff[e] + j) * I;
                         bf16::products(down, e, c0, nc, act2 + aoff[e] / 2, n, lanes[e] / 16, xr, rem[e], dacc.data(),
-                                       tile16.data(), scales.data(), out.data(), n);
+                                       tile16.data(), scales.data(), out.data(), n, fused(fuse2, e));
                     } else {
                         const float* xd[kDotTail];
                         for (size_t j = 0; j < rem[e]; ++j)

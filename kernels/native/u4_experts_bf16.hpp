@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
@@ -274,6 +275,177 @@ IQ36_BF16 inline void dots(const uint16_t* w, const float* s, size_t group, size
     }
 }
 
+// The dot form without a tile ("fused"), for an expert whose tokens all take the dot form: each
+// weight row's packed bytes are widened in registers, 128 weights per 64-byte load, and multiplied
+// at once with every token's inputs; nothing is stored and read back. Word w of a 64-byte load
+// holds inputs 4w .. 4w + 3 of its 128 (a nibble each); vpermw reads an index's low 5 bits, so
+// the word shifted by 0, 4, 8 and 12 bits looks up bf16(q - z) for inputs 4w, 4w + 1, 4w + 2 and
+// 4w + 3 in a table held twice (a zmm of 32 words). The token rows come in the same order
+// (`fused_index`: per 128 inputs, those at 4w first, then 4w + 1, ...), so each vdpbf16ps pairs
+// the same weight and input as the tiles do; the products are exact and the group's scale applies
+// to the group's sum, as in the dot form, with the f32 sums in another order.
+// IQ36_FUSED_DOTS=0 keeps the tiles (the tests cover both forms that way).
+constexpr size_t kFuseBlock = 128;  // inputs per 64-byte load
+
+inline size_t fused_index(size_t k) {
+    const size_t b = k % kFuseBlock;
+    return k - b + (b % 4) * (kFuseBlock / 4) + b / 4;
+}
+
+inline bool fused_enabled() {
+    static const bool on = [] {
+        const char* env = std::getenv("IQ36_FUSED_DOTS");
+        return !(env && env[0] == '0');
+    }();
+    return on;
+}
+
+// Whether m's rows suit the fused form: packed u4 in groups of whole 64-byte loads.
+inline bool fuses(const Packed& m) { return fused_enabled() && m.w4 && m.group % kFuseBlock == 0; }
+
+// bf16(q - z) for q < 16, twice (32 words), for every zero point z < 256 (u8 zero points): small
+// integers, exact in bf16.
+struct ZeroTables {
+    alignas(64) uint16_t t[256][32];
+    ZeroTables() {
+        for (int z = 0; z < 256; ++z)
+            for (int i = 0; i < 32; ++i) {
+                const float f = static_cast<float>(i % 16 - z);
+                uint32_t bits;
+                std::memcpy(&bits, &f, 4);
+                t[z][i] = static_cast<uint16_t>(bits >> 16);
+            }
+    }
+};
+
+inline const ZeroTables& zero_tables() {
+    static const ZeroTables tables;
+    return tables;
+}
+
+// o[c * ldo + t] = dot(row `row` + c, token t) for c < C, t < R; x[t]: token t's inputs (all K of
+// them) in the fused order. Registers: 2 C R accumulators (each group's sums, and the scaled
+// totals), C tables, C loads, C weight vectors and one input vector.
+template <int C, int R>
+IQ36_BF16 inline void fused_kernel(const Packed& m, size_t row, const uint16_t* const* x, float* o, size_t ldo) {
+    const ZeroTables& zt = zero_tables();
+    __m512 tot[C][R];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t)
+            tot[c][t] = _mm512_setzero_ps();
+    for (size_t g = 0; g < m.groups; ++g) {
+        __m512 ga[C][R];
+        __m512i tab[C];
+        const uint8_t* src[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const size_t gi = (row + c) * m.groups + g;
+            tab[c] = _mm512_load_si512(zt.t[value(m.z, gi, m.z4)]);
+            src[c] = m.w + (gi * m.group >> 1);
+#pragma GCC unroll 16
+            for (int t = 0; t < R; ++t)
+                ga[c][t] = _mm512_setzero_ps();
+        }
+        for (size_t k = 0; k < m.group; k += kFuseBlock) {
+            __m512i v[C];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c)
+                v[c] = _mm512_loadu_si512(src[c] + k / 2);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; ++q) {
+                __m512bh w[C];
+#pragma GCC unroll 8
+                for (int c = 0; c < C; ++c)
+                    w[c] = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(q == 0 ? v[c] : _mm512_srli_epi16(v[c], 4 * q), tab[c]));
+                const size_t at = g * m.group + k + q * (kFuseBlock / 4);
+#pragma GCC unroll 16
+                for (int t = 0; t < R; ++t) {
+                    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x[t] + at));
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; ++c)
+                        ga[c][t] = _mm512_dpbf16_ps(ga[c][t], w[c], xv);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const __m512 sc = _mm512_set1_ps(m.scale((row + c) * m.groups + g));
+#pragma GCC unroll 16
+            for (int t = 0; t < R; ++t)
+                tot[c][t] = _mm512_fmadd_ps(ga[c][t], sc, tot[c][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t)
+            o[c * ldo + t] = _mm512_reduce_add_ps(tot[c][t]);
+}
+
+template <int C, int R>
+IQ36_BF16 inline void fused_rows(const Packed& m, size_t row, size_t n, const uint16_t* const* x, float* o, size_t ldo) {
+    size_t c = 0;
+    for (; c + C <= n; c += C)
+        fused_kernel<C, R>(m, row + c, x, o + c * ldo, ldo);
+    for (; c < n; ++c)
+        fused_kernel<1, R>(m, row + c, x, o + c * ldo, ldo);
+}
+
+#ifndef IQ36_FUSED_PASS
+#define IQ36_FUSED_PASS 5
+#endif
+// Tokens per pass over the weights: two rows per kernel share each input vector. Measured (the op
+// alone, E = 256, 257 tokens): passes of up to 5 tokens, two rows, 64-68 ms; one pass of up to 10
+// tokens, one row (the weights widened once, an input load per product), 75-82 (docs/perf-log.md,
+// session 30).
+constexpr size_t kFusedPass = IQ36_FUSED_PASS;
+static_assert(kFusedPass >= 1 && kFusedPass <= 5, "fused_dots has kernels for 1 to 5 tokens");
+
+// o[c][t] = dot(row r0 + c of expert e, token t), c < n, t < rem: the fused form, in passes of at
+// most kFusedPass tokens of about equal size.
+IQ36_BF16 inline void fused_dots(const Packed& m, size_t e, size_t r0, size_t n, const uint16_t* const* x, size_t rem, float* o,
+                                 size_t ldo) {
+    const size_t row = e * m.out + r0;
+    const size_t passes = (rem + kFusedPass - 1) / kFusedPass;
+    for (size_t p = 0, t = 0; p < passes; ++p) {
+        const size_t r = (rem - t) / (passes - p);
+        switch (r) {
+        case 1: fused_rows<2, 1>(m, row, n, x + t, o + t, ldo); break;
+        case 2: fused_rows<2, 2>(m, row, n, x + t, o + t, ldo); break;
+        case 3: fused_rows<2, 3>(m, row, n, x + t, o + t, ldo); break;
+        case 4: fused_rows<2, 4>(m, row, n, x + t, o + t, ldo); break;
+        default: fused_rows<2, 5>(m, row, n, x + t, o + t, ldo); break;
+        }
+        t += r;
+    }
+}
+
+// A bf16 row of n inputs (a multiple of kFuseBlock) into the fused order, 128 at a time: output
+// vector q (of 4) takes words 4w + q of the four input vectors (two two-source permutes and a blend).
+IQ36_BF16 inline void fuse_row(const uint16_t* in, size_t n, uint16_t* out) {
+    alignas(64) uint16_t lo[4][32], hi[4][32];
+    for (int q = 0; q < 4; ++q)
+        for (int w = 0; w < 32; ++w) {
+            lo[q][w] = static_cast<uint16_t>((4 * w + q) % 64);   // words 0-15 from the first two vectors
+            hi[q][w] = static_cast<uint16_t>((4 * (w - 16) + q + 64) % 64);  // words 16-31 from the last two
+        }
+    __m512i il[4], ih[4];
+    for (int q = 0; q < 4; ++q) {
+        il[q] = _mm512_load_si512(lo[q]);
+        ih[q] = _mm512_load_si512(hi[q]);
+    }
+    for (size_t k = 0; k < n; k += kFuseBlock) {
+        const __m512i a = _mm512_loadu_si512(in + k), b = _mm512_loadu_si512(in + k + 32);
+        const __m512i c = _mm512_loadu_si512(in + k + 64), d = _mm512_loadu_si512(in + k + 96);
+        for (int q = 0; q < 4; ++q) {
+            const __m512i ab = _mm512_permutex2var_epi16(a, il[q], b), cd = _mm512_permutex2var_epi16(c, ih[q], d);
+            _mm512_storeu_si512(out + k + q * 32, _mm512_mask_blend_epi16(0xFFFF0000u, ab, cd));
+        }
+    }
+}
+
 // Inputs per pass of the bf16 tiles: experts::slice_of's rule (whole rows when a task's tile fits
 // L2), except with AMX tiles, which keep kSlice: a whole-row tile's rows would lie 4 KB apart
 // (2048 inputs), the stride at which a tile load's 16 rows share one L1 set; not measured on an
@@ -282,10 +454,13 @@ inline size_t slice_of(const Packed& m) { return experts::slice_of(m, 2, !amx::s
 
 // o[c][t] = dot(row r0 + c of expert e, token t) for c < n: tokens t < vecs * 16 from the token
 // columns xp (the lane form), then `rem` more, t = vecs * 16 + j, from the token-major rows xr[j]
-// (the dot form; `acc`: n x rem x 16 floats of scratch).
+// (the dot form; `acc`: n x rem x 16 floats of scratch). `fused`: no lane-form tokens (vecs 0), the
+// rows xr in the fused order and fuses(m): the fused form, no tile.
 IQ36_BF16 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const uint32_t* xp, size_t ldx, size_t vecs,
                                const uint16_t* const* xr, size_t rem, float* acc, uint16_t* tile, float* scales, float* o,
-                               size_t ldo) {
+                               size_t ldo, bool fused = false) {
+    if (fused)
+        return fused_dots(m, e, r0, n, xr, rem, o, ldo);
     const size_t K = m.in(), ks = slice_of(m);
     const uint16_t* xs[kDotTokens];
     // AMX tiles for the lane form's whole 16-row blocks, where the CPU has them; the vector tiles
@@ -343,14 +518,16 @@ IQ36_BF16 inline void pair_columns(const float* a, size_t K, size_t ld, size_t c
 }
 
 // Columns [0, rem) of rows [0, K) of a (ld apart; rem <= 16) rounded to bf16 as the lane form
-// rounds them, token-major: r[j * ldr + k] = bf16(a[k * ld + j]).
-IQ36_BF16 inline void rows_of_columns(const float* a, size_t K, size_t ld, size_t rem, uint16_t* r, size_t ldr) {
+// rounds them, token-major: r[j * ldr + k] = bf16(a[k * ld + j]); `fused`: at fused_index(k)
+// instead (K a multiple of kFuseBlock, r at a multiple of it in its row).
+IQ36_BF16 inline void rows_of_columns(const float* a, size_t K, size_t ld, size_t rem, uint16_t* r, size_t ldr, bool fused = false) {
     const __mmask16 mk = rem >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rem) - 1);
     alignas(32) uint16_t b[16];
     for (size_t k = 0; k < K; ++k) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(b), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, a + k * ld))));
+        const size_t at = fused ? fused_index(k) : k;
         for (size_t j = 0; j < rem; ++j)
-            r[j * ldr + k] = b[j];
+            r[j * ldr + at] = b[j];
     }
 }
 
