@@ -422,19 +422,27 @@ IQ36_BF16 inline void fused_dots(const Packed& m, size_t e, size_t r0, size_t n,
     }
 }
 
+// fuse_row's word indices: lo[q] picks words 4w + q (w < 16) of the first two input vectors, hi[q]
+// words 4(w - 16) + q (w >= 16) of the last two.
+struct FuseIndices {
+    alignas(64) uint16_t lo[4][32], hi[4][32];
+    FuseIndices() {
+        for (int q = 0; q < 4; ++q)
+            for (int w = 0; w < 32; ++w) {
+                lo[q][w] = static_cast<uint16_t>((4 * w + q) % 64);
+                hi[q][w] = static_cast<uint16_t>((4 * (w - 16) + q + 64) % 64);
+            }
+    }
+};
+
 // A bf16 row of n inputs (a multiple of kFuseBlock) into the fused order, 128 at a time: output
 // vector q (of 4) takes words 4w + q of the four input vectors (two two-source permutes and a blend).
 IQ36_BF16 inline void fuse_row(const uint16_t* in, size_t n, uint16_t* out) {
-    alignas(64) uint16_t lo[4][32], hi[4][32];
-    for (int q = 0; q < 4; ++q)
-        for (int w = 0; w < 32; ++w) {
-            lo[q][w] = static_cast<uint16_t>((4 * w + q) % 64);   // words 0-15 from the first two vectors
-            hi[q][w] = static_cast<uint16_t>((4 * (w - 16) + q + 64) % 64);  // words 16-31 from the last two
-        }
+    static const FuseIndices idx;
     __m512i il[4], ih[4];
     for (int q = 0; q < 4; ++q) {
-        il[q] = _mm512_load_si512(lo[q]);
-        ih[q] = _mm512_load_si512(hi[q]);
+        il[q] = _mm512_load_si512(idx.lo[q]);
+        ih[q] = _mm512_load_si512(idx.hi[q]);
     }
     for (size_t k = 0; k < n; k += kFuseBlock) {
         const __m512i a = _mm512_loadu_si512(in + k), b = _mm512_loadu_si512(in + k + 32);
