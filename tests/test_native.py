@@ -243,6 +243,28 @@ def test_u4_experts_bf16_groups_of_128(nibbles: bool) -> None:
                       nibbles=nibbles, bf16=True)
 
 
+def _run_checks(tmp_path: Path, script: str, name: str, values: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Runs `script` (a check script that saves its outputs to argv[1]) once per value of the
+    environment setting `name` (a process reads these once), each in a fresh process; returns
+    the outputs by value."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    got = {}
+    for value in values:
+        env = {k: v for k, v in os.environ.items() if k != name}
+        if value:
+            env[name] = value
+        out = tmp_path / f"{name}-{value or 'unset'}.npy"
+        done = subprocess.run([sys.executable, "-c", script, str(out)], cwd=root, capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        got[value] = np.load(out)
+    return got
+
+
 _AMX_CHECKS = """
 import sys
 import numpy as np
@@ -278,17 +300,7 @@ def test_u4_experts_amx_tiles(tmp_path: Path) -> None:
     past the last whole block, token vectors in pairs and alone, and where both stages take the
     tiles a 3-token expert as a padded vector (not the dot form). With AMX the two outputs differ
     (the order of the f32 sums), which shows the tiles ran; without it they are the same bits."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    got = {}
-    for amx in ("0", "1"):
-        done = subprocess.run([sys.executable, "-c", _AMX_CHECKS, str(tmp_path / f"amx{amx}.npy")], cwd=root,
-                              capture_output=True, text=True, env={**os.environ, "IQ36_AMX": amx}, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-        got[amx] = np.load(tmp_path / f"amx{amx}.npy")
+    got = _run_checks(tmp_path, _AMX_CHECKS, "IQ36_AMX", ("0", "1"))
     if native.amx_supported():
         assert not np.array_equal(got["0"], got["1"])
     else:
@@ -330,20 +342,7 @@ def test_u4_experts_in_slices(tmp_path: Path) -> None:
     f32 and bf16 tiles, packed and u8 weights, the dot forms; against float64 as the other
     U4Experts tests, and not the same bits as whole rows (the f32 sums run in another order:
     the setting was read)."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    got = {}
-    for inputs in ("", "256"):
-        env = {k: v for k, v in os.environ.items() if k != "IQ36_SLICE_INPUTS"}
-        if inputs:
-            env["IQ36_SLICE_INPUTS"] = inputs
-        done = subprocess.run([sys.executable, "-c", _SLICE_CHECKS, str(tmp_path / f"s{inputs}.npy")], cwd=root,
-                              capture_output=True, text=True, env=env, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-        got[inputs] = np.load(tmp_path / f"s{inputs}.npy")
+    got = _run_checks(tmp_path, _SLICE_CHECKS, "IQ36_SLICE_INPUTS", ("", "256"))
     assert not np.array_equal(got[""], got["256"])
 
 
@@ -379,17 +378,7 @@ def test_u4_experts_bf16_fused_dots(tmp_path: Path) -> None:
     the tiled forms, groups of 128 and 256 in both stages, packed and u8 weights, against float64;
     with IQ36_FUSED_DOTS=0 (the tiles) likewise, and not the same bits as the fused form (its f32
     sums run in another order: the setting was read and the form ran)."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    got = {}
-    for fused in ("1", "0"):
-        done = subprocess.run([sys.executable, "-c", _FUSED_CHECKS, str(tmp_path / f"f{fused}.npy")], cwd=root,
-                              capture_output=True, text=True, env={**os.environ, "IQ36_FUSED_DOTS": fused}, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-        got[fused] = np.load(tmp_path / f"f{fused}.npy")
+    got = _run_checks(tmp_path, _FUSED_CHECKS, "IQ36_FUSED_DOTS", ("1", "0"))
     assert not np.array_equal(got["1"], got["0"])
 
 

@@ -200,6 +200,19 @@ IQ36_BF16 inline void gemm(const uint16_t* w, const float* s, size_t group, size
 constexpr size_t kDotTokens = IQ36_DOT_TOKENS;  // at most this many tokens past whole vectors take the dot form
 static_assert(kDotTokens < 16, "the dot-form tokens are those past whole vectors of 16");
 
+// tot[c][t] += ga[c][t] * scale(c): a group's sums (one vector per weight row and token) scaled
+// by the row's scale for the group, into the totals.
+template <int C, int R, class Scale>
+IQ36_BF16 inline void add_scaled(__m512 (&tot)[C][R], const __m512 (&ga)[C][R], Scale scale) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+        const __m512 sc = _mm512_set1_ps(scale(c));
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t)
+            tot[c][t] = _mm512_fmadd_ps(ga[c][t], sc, tot[c][t]);
+    }
+}
+
 template <int C, int R>
 IQ36_BF16 inline void dot_kernel(const uint16_t* w, size_t ldw, const float* s, size_t lds, size_t group, size_t kn,
                                  const uint16_t* const* x, float* acc, size_t lda, bool add) {
@@ -231,13 +244,7 @@ IQ36_BF16 inline void dot_kernel(const uint16_t* w, size_t ldw, const float* s, 
                     ga[c][t] = _mm512_dpbf16_ps(ga[c][t], wv, xv[t]);
             }
         }
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) {
-            const __m512 sc = _mm512_set1_ps(s[c * lds + g0 / group]);
-#pragma GCC unroll 8
-            for (int t = 0; t < R; ++t)
-                tot[c][t] = _mm512_fmadd_ps(ga[c][t], sc, tot[c][t]);
-        }
+        add_scaled<C, R>(tot, ga, [&](int c) { return s[c * lds + g0 / group]; });
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
@@ -369,13 +376,7 @@ IQ36_BF16 inline void fused_kernel(const Packed& m, size_t row, const uint16_t* 
                 }
             }
         }
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) {
-            const __m512 sc = _mm512_set1_ps(m.scale((row + c) * m.groups + g));
-#pragma GCC unroll 16
-            for (int t = 0; t < R; ++t)
-                tot[c][t] = _mm512_fmadd_ps(ga[c][t], sc, tot[c][t]);
-        }
+        add_scaled<C, R>(tot, ga, [&](int c) { return m.scale((row + c) * m.groups + g); });
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
