@@ -375,9 +375,10 @@ def test_u4_experts_bf16_fused_dots(tmp_path: Path) -> None:
     """The bf16 dot form without a tile (`fused_dots`): an expert whose tokens all take the dot
     form multiplies each weight row's packed bytes as it widens them, against its token rows in
     the fused order (stage 1: x's rows; stage 2: the act rows). Experts of 3 to 10 tokens beside
-    the tiled forms, groups of 128 and 256 in both stages, packed and u8 weights, against float64;
-    with IQ36_FUSED_DOTS=0 (the tiles) likewise, and not the same bits as the fused form (its f32
-    sums run in another order: the setting was read and the form ran)."""
+    the tiled forms, groups of 128 and 256 in both stages, against float64, on packed weights (u8
+    weights take the tiles either way); with IQ36_FUSED_DOTS=0 (the tiles) likewise, and not the
+    same bits as the fused form (its f32 sums run in another order: the setting was read and the
+    form ran)."""
     got = _run_checks(tmp_path, _FUSED_CHECKS, "IQ36_FUSED_DOTS", ("1", "0"))
     assert not np.array_equal(got["1"], got["0"])
 

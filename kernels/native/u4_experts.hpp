@@ -715,12 +715,13 @@ public:
                 u.resize(kGateRows * n);
                 if (bf) {  // the rows as bf16; a row's input pairs are 32-bit words, transposed like f32
                     const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
+                    const bool f = fused(fuse1, e);
                     if (held_call != call || held_expert != e) {
                         xb.resize(m * H);
-                        if (fused(fuse1, e))
+                        if (f)
                             xf.resize(H);
                         for (size_t i = 0; i < m; ++i) {
-                            if (fused(fuse1, e)) {
+                            if (f) {
                                 bf16::round_row(rows[i], H, xf.data());
                                 bf16::fuse_row(xf.data(), H, xb.data() + i * H);
                             } else {
@@ -737,7 +738,6 @@ public:
                     for (size_t j = 0; j < rem[e]; ++j)
                         xr[j] = xb.data() + (nl + j) * H;
                     const auto* xp = reinterpret_cast<const uint32_t*>(xT.data());
-                    const bool f = fused(fuse1, e);
                     bf16::products(gate, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), g.data(), n, f);
                     bf16::products(up, e, r0, nr, xp, nl, nl / 16, xr, rem[e], dacc.data(), tile16.data(), scales.data(), u.data(), n, f);
                 } else {
