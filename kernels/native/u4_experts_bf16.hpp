@@ -38,32 +38,54 @@ inline bool supported() {
     return yes;
 }
 
+// bf16(q - z) for q < 16, twice (32 words), for every zero point z < 256 (u8 zero points): small
+// integers, exact in bf16. The tiles' 64-weight step and the fused form look them up.
+struct ZeroTables {
+    alignas(64) uint16_t t[256][32];
+    ZeroTables() {
+        for (int z = 0; z < 256; ++z)
+            for (int i = 0; i < 32; ++i) {
+                const float f = static_cast<float>(i % 16 - z);
+                uint32_t bits;
+                std::memcpy(&bits, &f, 4);
+                t[z][i] = static_cast<uint16_t>(bits >> 16);
+            }
+    }
+};
+
+inline const ZeroTables& zero_tables() {
+    static const ZeroTables tables;
+    return tables;
+}
+
 // Rows [r0, r0 + n) of expert e, inputs [k0, k0 + kn) (whole groups): (q - z) as bf16 into w
 // (n x kn) and the scales into s (n x kn / group).
 IQ36_BF16 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, uint16_t* w, float* s) {
     const __m128i low = _mm_set1_epi16(0x000F);
-    const size_t g0 = k0 / m.group, g1 = (k0 + kn) / m.group, gn = g1 - g0;
+    // m's fields as locals: the stores below (may-alias vector types) would otherwise make the
+    // compiler reload them from m at every step
+    const size_t group = m.group, groups = m.groups;
+    const size_t g0 = k0 / group, g1 = (k0 + kn) / group, gn = g1 - g0;
+    const ZeroTables& tables = zero_tables();
     for (size_t r = 0; r < n; ++r) {
         const size_t row = e * m.out + r0 + r;
         uint16_t* out = w + r * kn;
         for (size_t g = g0; g < g1; ++g) {
-            const size_t gi = row * m.groups + g;
+            const size_t gi = row * groups + g;
             s[r * gn + g - g0] = m.scale(gi);
             const int z = value(m.z, gi, m.z4);
             const __m512i zv = _mm512_set1_epi32(z);
-            uint16_t* o = out + (g - g0) * m.group;
+            uint16_t* o = out + (g - g0) * group;
             size_t j = 0;
             if (m.w4) {
-                const uint8_t* src = m.w + (gi * m.group >> 1);
+                const uint8_t* src = m.w + (gi * group >> 1);
                 // the same row's next slice (the row's bytes are contiguous, a slice is a few
                 // of its lines): the weights otherwise arrive one demand miss at a time
-                for (size_t line = 0; line < m.group / 2; line += 64)
+                for (size_t line = 0; line < group / 2; line += 64)
                     _mm_prefetch(reinterpret_cast<const char*>(src + kn / 2 + line), _MM_HINT_T0);
                 // the nibbles as words index a table of bf16(q - z), q < 16 (vpermw reads an index's
                 // low 5 bits: the table twice, so a whole byte indexes its low nibble's entry)
-                const __m256i half = reinterpret_cast<__m256i>(
-                    _mm512_cvtneps_pbh(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), zv))));
-                const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
+                const __m512i table = _mm512_load_si512(tables.t[z]);
                 const __m128i nib = _mm_set1_epi8(0x0F);
                 // 64 weights per step: 32 bytes as words, each looked up twice (low nibble, high
                 // nibble), the two interleaved (word 2i from the low nibbles' i, 2i + 1 from the
@@ -72,35 +94,35 @@ IQ36_BF16 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n,
                 const __m512i even = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
                 const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(16));
-                for (; j + 64 <= m.group; j += 64) {
+                for (; j + 64 <= group; j += 64) {
                     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j / 2)));
                     const __m512i lo = _mm512_permutexvar_epi16(b, table);
                     const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
                     _mm512_storeu_si512(o + j, _mm512_permutex2var_epi16(lo, even, hi));
                     _mm512_storeu_si512(o + j + 32, _mm512_permutex2var_epi16(lo, odd, hi));
                 }
-                for (; j + 32 <= m.group; j += 32) {
+                for (; j + 32 <= group; j += 32) {
                     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j / 2));
                     const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
                     const __m256i q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
                     _mm512_storeu_si512(o + j, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table));
                 }
-                for (; j + 16 <= m.group; j += 16) {
+                for (; j + 16 <= group; j += 16) {
                     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j / 2)));
                     const __m128i v = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
                     const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v), zv));
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f)));
                 }
             } else {
-                const uint8_t* src = m.w + gi * m.group;
-                for (; j + 16 <= m.group; j += 16) {
+                const uint8_t* src = m.w + gi * group;
+                for (; j + 16 <= group; j += 16) {
                     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
                     const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b), zv));
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f)));
                 }
             }
-            for (; j < m.group; ++j) {
-                const float f = static_cast<float>(static_cast<int>(value(m.w, gi * m.group + j, m.w4)) - z);
+            for (; j < group; ++j) {
+                const float f = static_cast<float>(static_cast<int>(value(m.w, gi * group + j, m.w4)) - z);
                 uint32_t bits;
                 std::memcpy(&bits, &f, 4);
                 o[j] = static_cast<uint16_t>(bits >> 16);  // a small integer: exact
@@ -309,26 +331,6 @@ inline bool fused_enabled() {
 
 // Whether m's rows suit the fused form: packed u4 in groups of whole 64-byte loads.
 inline bool fuses(const Packed& m) { return fused_enabled() && m.w4 && m.group % kFuseBlock == 0; }
-
-// bf16(q - z) for q < 16, twice (32 words), for every zero point z < 256 (u8 zero points): small
-// integers, exact in bf16.
-struct ZeroTables {
-    alignas(64) uint16_t t[256][32];
-    ZeroTables() {
-        for (int z = 0; z < 256; ++z)
-            for (int i = 0; i < 32; ++i) {
-                const float f = static_cast<float>(i % 16 - z);
-                uint32_t bits;
-                std::memcpy(&bits, &f, 4);
-                t[z][i] = static_cast<uint16_t>(bits >> 16);
-            }
-    }
-};
-
-inline const ZeroTables& zero_tables() {
-    static const ZeroTables tables;
-    return tables;
-}
 
 // o[c * ldo + t] = dot(row `row` + c, token t) for c < C, t < R; x[t]: token t's inputs (all K of
 // them) in the fused order. Registers: 2 C R accumulators (each group's sums, and the scaled
@@ -539,6 +541,7 @@ IQ36_BF16 inline void rows_of_columns(const float* a, size_t K, size_t ld, size_
             r[j * ldr + at] = b[j];
     }
 }
+
 
 }  // namespace bf16
 }  // namespace experts
