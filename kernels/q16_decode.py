@@ -31,7 +31,8 @@ so prefill keeps the plugin's f32 kernels and decode (T = 1) runs the op. A chun
 past a whole number of the plugin's row blocks, when they are at most MAX_ROWS, run the op too:
 the plugin's compressed matmul takes rows in blocks of ROW_BLOCK and a last block of one row
 costs it about as much as a whole one (one more pass over the weights: dev-bench, AVX-512 EPYC,
-prefill of 257 tokens 514-545 ms against 484-497 at 256). Same constants: no
+prefill of 257 tokens 514-545 ms against 484-497 at 256). Where the plugin runs bf16, up to
+TAIL_ROWS of them (`tail_rows`), those past MAX_ROWS on the op's bf16 tiles (`TILE_ROWS`). Same constants: no
 copy of the weights; u4 weights reach the ops as their packed bytes typed u8 (`_as_bytes`, the
 ops' `nibbles`), since the plugin widens a u4 constant that only an extension op reads to u8. A
 `native_experts` block's U4Experts op takes every row (`q16_rows`), its fused block dropped
@@ -45,6 +46,7 @@ CPU only (the op runs through the CPU plugin's `evaluate`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -73,6 +75,18 @@ BLOCK = 128  # the op's activation block: weight groups must be multiples of it
 # costs an input 2^8 times smaller than the largest. u8 weights (the LM head) keep both terms.
 # The ops' attribute (true: both terms, the default):
 RESIDUAL = "residual"
+
+# Where the plugin runs the model in bf16 (the engine's `q16_tail_tiles` switch), a chunk's last
+# rows past whole row blocks go to the op when at most TAIL_ROWS of them, not only MAX_ROWS: the
+# plugin computes them as one more whole block of ROW_BLOCK rows, while the op takes those past
+# MAX_ROWS on the routed experts' bf16 tiles (Q16Linear's `tile_rows`: experts::bf16::dense in
+# kernels/native/u4_experts_bf16.hpp), at a cost that grows with the rows. Zen 4 EPYC, one
+# 8192 x 2048 u4 matmul at 256 + t rows: the plugin 21.0-21.3 ms for every t from 5 to 56 (17.9 at
+# t = 0); on the tiles 18.5 ms at t = 5, 20.3 at 16, 20.5 at 32, 21.0 at 36 (break-even), 23.0 at
+# 56 (docs/perf-log.md, session 31).
+TAIL_ROWS = 32
+TILE_FROM = MAX_ROWS + 1  # the op's rows from which the tiles take them (fewer: the integer products)
+TILE_ROWS = "tile_rows"  # the op's attribute: calls of at least this many rows take the tiles
 
 
 class RewriteError(RuntimeError):
@@ -139,9 +153,9 @@ def _eligible(matmul: Any, min_bytes: int) -> tuple[Any, Any, Any] | None:
     return w, zp, scale
 
 
-def _split(matmul: Any, op_node: Any) -> Any:
+def _split(matmul: Any, op_node: Any, tail_rows: int = MAX_ROWS) -> Any:
     """concat(MatMul(x[:n]), op(x[n:])) along the rows axis: n = T if T > MAX_ROWS else 0, less
-    the last T mod ROW_BLOCK rows of a longer chunk when they are at most MAX_ROWS."""
+    the last T mod ROW_BLOCK rows of a longer chunk when they are at most `tail_rows`."""
     from openvino import opset15 as op
 
     x = matmul.input_value(0)
@@ -151,7 +165,7 @@ def _split(matmul: Any, op_node: Any) -> Any:
     few = op.constant(np.array([MAX_ROWS], i64))
     chunk = op.greater(rows, few)
     tail = op.floor_mod(rows, op.constant(np.array([ROW_BLOCK], i64)))
-    whole = op.select(op.less_equal(tail, few), op.subtract(rows, tail), rows)
+    whole = op.select(op.less_equal(tail, op.constant(np.array([tail_rows], i64))), op.subtract(rows, tail), rows)
     n = op.select(chunk, whole, op.constant(np.array([0], i64)))
     one, big = op.constant(np.array([1], i64)), op.constant(np.array([np.iinfo(i64).max], i64))
     ax = op.constant(np.array([axis], i64))
@@ -206,12 +220,15 @@ def _experts_to_op(node: Any, factory: Any, residual: bool = True) -> None:
         target.replace_source_output(new.output(0))
 
 
-def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool = True, residual: bool = True) -> Any:
+def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool = True, residual: bool = True,
+          tail_rows: int = MAX_ROWS) -> Any:
     """Rewrite `model` (before compile) in place; returns it. `min_bytes`: smaller weights stay
     on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it).
     `split=False`: a decode graph, every matmul replaced outright (any rows run the op).
     `residual=False`: the ops round the activations of u4 products to their int16 term alone
-    (`RESIDUAL`), for a model the plugin runs in bf16."""
+    (`RESIDUAL`), for a model the plugin runs in bf16. `tail_rows` (> MAX_ROWS: `TAIL_ROWS`, for
+    a model the plugin runs in bf16): a chunk's last rows past whole row blocks go to the op when
+    at most this many, and the op takes those past MAX_ROWS on its bf16 tiles (`TILE_ROWS`)."""
     from kernels import last_token_logits, native
 
     native.require_cpu(NAME, RewriteError)
@@ -239,13 +256,17 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
         if nibbles:  # the plugin's MatMul keeps the u4 constant; the op reads its bytes
             consts[0] = _as_bytes(consts[0])
 
-        def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles) -> Any:
-            return factory.create("Q16Linear", [*inputs, *consts], {"nibbles": nibbles, RESIDUAL: residual})
+        def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles, tiles: bool = False) -> Any:
+            attributes = {"nibbles": nibbles, RESIDUAL: residual}
+            if tiles:
+                attributes[TILE_ROWS] = TILE_FROM
+            return factory.create("Q16Linear", [*inputs, *consts], attributes)
 
         if is_head or not split:
             out = q16([matmul.input_value(0)]).output(0)
         else:
-            out = _split(matmul, q16).output(0)
+            tiles = tail_rows > MAX_ROWS and nibbles
+            out = _split(matmul, functools.partial(q16, tiles=tiles), tail_rows if tiles else MAX_ROWS).output(0)
         out.get_node().set_friendly_name(f"{matmul.get_friendly_name()}/{NAME}")
         for target in list(matmul.output(0).get_target_inputs()):
             target.replace_source_output(out)

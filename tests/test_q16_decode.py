@@ -159,6 +159,41 @@ def test_q16_linear_without_the_residual(k: int, group: int, shape: tuple[int, .
     assert np.array_equal(_run_attrs(u8_inputs, x, {"residual": False}), _run_attrs(u8_inputs, x, {}))
 
 
+_BF16 = pytest.mark.skipif(not native.bf16_supported(), reason="the bf16 tiles need a CPU with AVX512-BF16")
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """x (f32) rounded to bf16, to nearest even, as f64."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@_BF16
+@pytest.mark.parametrize(("k", "group"), [(2048, 128), (512, 128), (1024, 256)])
+@pytest.mark.parametrize("rows", [5, 7, 10, 11, 16, 21, 26, 32, 37])
+def test_q16_linear_tile_rows(k: int, group: int, rows: int) -> None:
+    """`tile_rows`: calls of at least that many rows take the routed experts' bf16 tiles (lane
+    form for whole vectors of 16 rows, the dot form for up to 10 more, the fused form for up to 10
+    alone): against float64 on x rounded to bf16, every output to f32 accuracy, and not the
+    integer products' numbers (the tiles ran); fewer rows keep the integer products bit for bit.
+    200 weight rows: a task of 128 and one of 72."""
+    rng = np.random.default_rng(rows * 7 + k)
+    n = 200
+    inputs, dense = _weights(rng, "u4", n, k, group, np.float16)
+    w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    attributes = {"nibbles": True, "residual": False}
+    got = _run_attrs([w, *inputs[1:]], x, {**attributes, q16_decode.TILE_ROWS: 5})
+    want = _bf16_round(x) @ dense.T
+    err = np.abs(got - want)
+    assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
+    assert not np.array_equal(got, _run_attrs([w, *inputs[1:]], x, attributes))
+    few = x[:4]
+    assert np.array_equal(_run_attrs([w, *inputs[1:]], few, {**attributes, q16_decode.TILE_ROWS: 5}),
+                          _run_attrs([w, *inputs[1:]], few, attributes))
+
+
 def _run_attrs(node_inputs: list, x: np.ndarray, attributes: dict[str, Any]) -> np.ndarray:
     """The op with these attributes on `x`, its weights as given (u4 bytes already typed u8)."""
     import openvino as ov
@@ -387,6 +422,44 @@ def test_rows_are_split_between_the_plugin_and_the_op() -> None:
         assert not np.array_equal(got, ours if n else plugin), rows  # the two paths differ here
 
 
+@_BF16
+def test_tail_rows_go_to_the_tiles() -> None:
+    """`tail_rows` (TAIL_ROWS): a chunk's last T mod ROW_BLOCK rows go to the op when at most that
+    many, and the op takes those past MAX_ROWS on its tiles; the plugin's rows as before. The op's
+    rows are its own numbers on those rows bit for bit (the op alone, same rows, `tile_rows`)."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    rng = np.random.default_rng(6)
+    (wc, _), (zc, _) = _u4(rng, (64, 4, 128)), _u4(rng, (64, 4, 1))
+    s = op.constant((rng.random((64, 4, 1)) * 0.05 + 0.01).astype(np.float16))
+    deq = op.multiply(op.subtract(op.convert(wc, np.float16), op.convert(zc, np.float16)), s)
+    weight = op.convert(op.reshape(deq, op.constant(np.array([64, 512])), False), np.float32)
+    core = ov.Core()
+    native.register(core)
+    p = op.parameter([-1, 512], np.float32, name="x")
+    plugin = core.compile_model(ov.Model([op.matmul(p, weight, False, True)], [p]), "CPU", REFERENCE)
+    plugin = plugin.create_infer_request()
+    w = q16_decode._as_bytes(wc.output(0)).get_node()
+    x_in = op.parameter([-1, 512], np.float32, name="x")
+    model = ov.Model([op.matmul(x_in, weight, False, True)], [x_in])
+    q16_decode.apply(model, min_bytes=0, residual=False, tail_rows=q16_decode.TAIL_ROWS)
+    ops = [o for o in model.get_ordered_ops() if o.get_type_name() == "Q16Linear"]
+    assert len(ops) == 1 and ops[0].get_attributes()[q16_decode.TILE_ROWS] == q16_decode.TILE_FROM
+    split = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
+    few, tail, block = q16_decode.MAX_ROWS, q16_decode.TAIL_ROWS, q16_decode.ROW_BLOCK
+    for rows in (1, few, few + 1, tail, tail + 1, block, block + few, block + few + 1, block + tail, block + tail + 1,
+                 2 * block + 20):
+        x = rng.standard_normal((rows, 512)).astype(np.float32)
+        got = np.array(split.infer({"x": x})[0])
+        n = 0 if rows <= few else rows - rows % block if rows % block <= tail else rows  # the plugin's rows
+        assert np.array_equal(got[:n], np.array(plugin.infer({"x": x[:n]})[0])), rows
+        if n < rows:
+            attributes = {"nibbles": True, "residual": False, q16_decode.TILE_ROWS: q16_decode.TILE_FROM}
+            ours = _run_attrs([w, zc, s], x[n:], attributes)
+            assert np.array_equal(got[n:], ours), rows
+
+
 @pytest.mark.parametrize("chunks", [[1], [3, 1, 1], [64, 1, 1, 1]], ids=["1", "3+decode", "64+decode"])
 def test_q16_decode_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
     """Every dense matmul and the head on the op: the logits stay within 5e-6 of their scale
@@ -401,6 +474,27 @@ def test_q16_decode_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
 
     kld = (np.exp(logp(plain)) * (logp(plain) - logp(rewritten))).sum(axis=-1)
     assert kld.max() <= 1e-10, kld
+
+
+@_BF16
+@pytest.mark.parametrize("chunks", [[69, 1, 1], [20, 1], [159, 1]], ids=["64+5", "20", "128+31"])
+def test_q16_tail_tiles_keep_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
+    """A chunk's last rows past whole blocks (5 to TAIL_ROWS of them, or a whole chunk of that
+    many) on the op's bf16 tiles, every dense matmul rewritten: in the plugin's f32 reference mode
+    the tiles' rounding of their inputs to bf16 is what moves the logits (where the plugin runs
+    bf16, its own outputs are bf16 already). Next-token distributions within a KL divergence of
+    1e-5 (measured <= 8e-7; the gate allows 5e-3), the same argmax."""
+    plain = _logits(tiny_dir, chunks)
+    tiles = _logits(tiny_dir, chunks, min_bytes=0, residual=False, tail_rows=q16_decode.TAIL_ROWS)
+
+    def logp(v: np.ndarray) -> np.ndarray:
+        v = v - v.max(axis=-1, keepdims=True)
+        return v - np.log(np.exp(v).sum(axis=-1, keepdims=True))
+
+    kld = (np.exp(logp(plain)) * (logp(plain) - logp(tiles))).sum(axis=-1)
+    assert kld.max() <= 1e-5, kld
+    assert (plain.argmax(axis=-1) == tiles.argmax(axis=-1)).all()
+    assert not np.array_equal(plain, tiles)
 
 
 def test_native_experts_blocks_take_decode_rows(tiny_dir: Path) -> None:
@@ -606,4 +700,44 @@ def test_q16_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precision:
     assert ("q16_bf16" in applied) == want
     off, off_applied, off_decode = specialised(False)
     assert "q16_bf16" not in off_applied
+    assert (structure_hash(model, decode) != structure_hash(off, off_decode)) == want
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_q16_tail_tiles_switch_follows_the_plugin_precision(tiny_dir: Path, precision: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`q16_tail_tiles` sends a chunk's last rows past whole row blocks to the op up to TAIL_ROWS
+    of them, on its tiles (`tile_rows`), only where the plugin runs the model in bf16 and the CPU
+    has AVX512-BF16; the decode graph's ops never take the tiles. The engine reports it then, and
+    the graph identity changes with it. Every dense matmul rewritten (dev-tiny's are all below
+    MIN_BYTES)."""
+    import msgspec
+    import openvino as ov
+
+    from iq36.profile import load
+    from kernels.graph_hash import structure_hash
+    from worker.engine.candidate import specialised_model
+
+    apply = q16_decode.apply
+    monkeypatch.setattr(q16_decode, "apply", lambda model, **kw: apply(model, **{**kw, "min_bytes": 0}))
+
+    def specialised(switch: bool) -> tuple[Any, list[str], Any]:
+        profile = load("cpu")
+        properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision}
+        engine = msgspec.structs.replace(profile.engine, properties=properties)
+        profile = msgspec.structs.replace(profile, engine=engine,
+                                          kernels={**profile.kernels, "q16_tail_tiles": switch})
+        return specialised_model(ov.Core(), tiny_dir, profile)
+
+    def tile_rows(model: Any) -> list[int]:
+        return [n.get_attributes().get(q16_decode.TILE_ROWS, 0) for n in model.get_ops()
+                if n.get_type_name() == "Q16Linear" and n.get_attributes()["nibbles"]]
+
+    model, applied, decode = specialised(True)
+    want = precision == "bf16" and native.bf16_supported()
+    assert tile_rows(model) and set(tile_rows(model)) == {q16_decode.TILE_FROM if want else 0}
+    assert set(tile_rows(decode)) == {0}
+    assert ("q16_tail_tiles" in applied) == want
+    off, off_applied, off_decode = specialised(False)
+    assert "q16_tail_tiles" not in off_applied and set(tile_rows(off)) == {0}
     assert (structure_hash(model, decode) != structure_hash(off, off_decode)) == want

@@ -314,13 +314,21 @@ inline void dot(const Weights& W, size_t n, size_t count, const Row& r, float* y
 
 }  // namespace q16
 
+namespace experts {
+namespace bf16 {
+// Rows of x on the routed experts' bf16 tiles: defined in u4_experts_bf16.hpp, which u4_experts.hpp
+// includes after this header (one translation unit: iq36_ops.cpp). False where they do not apply.
+inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y);
+}  // namespace bf16
+}  // namespace experts
+
 class Q16Linear final : public ov::op::Op {
 public:
     OPENVINO_OP("Q16Linear", "iq36");
 
     Q16Linear() = default;
-    explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false, bool residual = true)
-        : Op(args), m_nibbles(nibbles), m_residual(residual) {
+    explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false, bool residual = true, int64_t tile_rows = 0)
+        : Op(args), m_nibbles(nibbles), m_residual(residual), m_tile_rows(tile_rows) {
         constructor_validate_and_infer_types();
     }
 
@@ -355,16 +363,21 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<Q16Linear>(args, m_nibbles, m_residual);
+        return std::make_shared<Q16Linear>(args, m_nibbles, m_residual, m_tile_rows);
     }
 
     // nibbles: w is u8 [N, G, g / 2], the packed bytes of u4 weights (the CPU plugin widens a u4
     // constant that none of its own kernels reads to u8; typed u8 the bytes arrive as they are).
     // residual: false rounds x to the int16 term alone for u4 weights (`q16::Row`); u8 weights
     // keep both terms.
+    // tile_rows: calls of at least this many rows (0: none) take the routed experts' bf16 tiles
+    // (`experts::bf16::dense`) where the CPU has AVX512-BF16 and the weights are u4; the integer
+    // products elsewhere. For the plugin's bf16 models: a prefill chunk's last rows past its row
+    // blocks (kernels/q16_decode.py: TAIL_ROWS).
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("nibbles", m_nibbles);
         visitor.on_attribute("residual", m_residual);
+        visitor.on_attribute("tile_rows", m_tile_rows);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -391,6 +404,9 @@ public:
         ys.back() = N;
         outputs[0].set_shape(ys);
         if (M == 0)
+            return true;
+        if (m_tile_rows > 0 && M >= static_cast<size_t>(m_tile_rows) &&
+            experts::bf16::dense(W, x.data<const float>(), M, outputs[0].data<float>()))
             return true;
         std::vector<q16::Row> rows(M);
         for (size_t m = 0; m < M; ++m)
@@ -421,6 +437,7 @@ private:
 
     bool m_nibbles = false;
     bool m_residual = true;
+    int64_t m_tile_rows = 0;
 };
 
 }  // namespace iq36

@@ -543,6 +543,68 @@ IQ36_BF16 inline void rows_of_columns(const float* a, size_t K, size_t ld, size_
 }
 
 
+// A compressed dense matmul's rows on these tiles, for Q16Linear's `tile_rows`: y [M, N] = x [M, K]
+// . W^T, W's N rows taken as one expert's, its tokens the M rows of x, laid out as U4Experts lays
+// out an expert's (whole vectors of 16 in the lane form, the last M % 16 in the dot form when at
+// most kDotTokens, all of them in the fused form when they are that few). What it is for: a
+// prefill chunk's last rows past the plugin's row blocks (kernels/q16_decode.py: TAIL_ROWS), which
+// the plugin's compressed matmul computes as a whole block of 64 rows. Numerics as the experts'
+// tiles: x rounded to bf16 (the plugin's bf16 nodes' outputs are bf16 already), exact weight
+// products, the group's scale on the group's f32 sum. False, computing nothing, where the tiles do
+// not apply (no AVX512-BF16, u8 weights).
+inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y) {
+    if (!supported() || !W.w4 || W.K % 2 != 0 || W.group % 2 != 0)
+        return false;
+    const Packed m{W.w, W.z, W.w4, W.z4, W.s, W.s16, W.N, W.K / W.group, W.group};
+    const size_t K = W.K, N = W.N, tail = M % 16;
+    const bool dot = tail <= kDotTokens;
+    const size_t rem = dot ? tail : 0, lanes = dot ? M - tail : M + 16 - tail;
+    const bool fused = lanes == 0 && fuses(m) && K % kFuseBlock == 0;
+    Scratch<uint16_t> xb_buffer(M * K);  // x's rows as bf16 (in the fused order when fused)
+    uint16_t* xb = xb_buffer.data();
+    std::vector<uint16_t> natural(fused ? K : 0);
+    std::vector<const float*> rows(M);
+    for (size_t t = 0; t < M; ++t) {
+        if (fused) {
+            round_row(x + t * K, K, natural.data());
+            fuse_row(natural.data(), K, xb + t * K);
+        } else {
+            round_row(x + t * K, K, xb + t * K);
+        }
+        rows[t] = reinterpret_cast<const float*>(xb + t * K);  // a row's input pairs as 32-bit words
+    }
+    // the lane-form tokens' input pairs as columns (K / 2 x lanes words; zero columns past M)
+    Scratch<float> xT_buffer(K / 2 * lanes);
+    const std::vector<float> zero(lanes > 0 ? K / 2 : 0, 0.0f);
+    if (lanes > 0)
+        transpose_rows(rows.data(), std::min(M, lanes), zero.data(), K / 2, xT_buffer.data(), lanes);
+    const auto* xp = reinterpret_cast<const uint32_t*>(xT_buffer.data());
+    const uint16_t* xr[kDotTokens];
+    for (size_t j = 0; j < rem; ++j)
+        xr[j] = xb + (lanes + j) * K;
+    const size_t ldo = lanes + rem, ks = slice_of(m), tasks = (N + kGateRows - 1) / kGateRows;
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, tasks), [&](const tbb::blocked_range<size_t>& r) {
+        thread_local AlignedVector<uint16_t> tile;
+        thread_local std::vector<float> scales, acc, o;
+        tile.resize(kGateRows * ks);
+        scales.resize(kGateRows * ks / m.group);
+        acc.resize(kGateRows * kDotTokens * 16);
+        o.resize(kGateRows * ldo);
+        const auto rows_of = [&](size_t task) { return std::min(kGateRows, N - task * kGateRows); };
+        prefetch_slice(m, 0, r.begin() * kGateRows, rows_of(r.begin()));
+        for (size_t task = r.begin(); task != r.end(); ++task) {
+            const size_t r0 = task * kGateRows, n = rows_of(task);
+            if (task + 1 != r.end())
+                prefetch_slice(m, 0, r0 + kGateRows, rows_of(task + 1));
+            products(m, 0, r0, n, xp, lanes, lanes / 16, xr, rem, acc.data(), tile.data(), scales.data(), o.data(), ldo, fused);
+            for (size_t t = 0; t < M; ++t)
+                for (size_t c = 0; c < n; ++c)
+                    y[t * N + r0 + c] = o[c * ldo + t];
+        }
+    });
+    return true;
+}
+
 }  // namespace bf16
 }  // namespace experts
 }  // namespace iq36

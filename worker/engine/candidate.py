@@ -92,10 +92,10 @@ def _native_conv(model: Any) -> Any:
     return native_conv.apply(model)
 
 
-def _q16_decode(model: Any, residual: bool = True) -> Any:
+def _q16_decode(model: Any, residual: bool = True, tail_rows: int | None = None) -> Any:
     from kernels import q16_decode
 
-    return q16_decode.apply(model, residual=residual)
+    return q16_decode.apply(model, residual=residual, tail_rows=tail_rows or q16_decode.MAX_ROWS)
 
 
 def _grouped_experts(model: Any) -> Any:
@@ -169,6 +169,13 @@ EXPERTS_BF16 = "experts_bf16"
 # engine does not report it.
 Q16_BF16 = "q16_bf16"
 
+# A prefill chunk's last rows past the plugin's row blocks of 64, 5 to q16_decode.TAIL_ROWS of
+# them, on Q16Linear's bf16 tiles (the routed experts' prefill tiles) instead of one more whole
+# block of the plugin's compressed matmul (kernels/q16_decode.py: TAIL_ROWS): where `q16_decode` is
+# on, the plugin runs the model in bf16 and the CPU has AVX512-BF16; elsewhere the switch does
+# nothing and the engine does not report it.
+Q16_TAIL_TILES = "q16_tail_tiles"
+
 # Rewrites that pay off only for chunks of many tokens: applied to a clone of the main model
 # (after its rewrites; the clone shares the weights) compiled as a model of its own for prefill
 # chunks (> 1 token), while single tokens (decode) run the main or the decode graph (with both,
@@ -188,7 +195,7 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 # Each rewrite's default when the profile's [kernels] table does not name it.
 _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
-KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16, Q16_BF16})
+KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16, Q16_BF16, Q16_TAIL_TILES})
 
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention",
@@ -215,6 +222,8 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     applied, decode, decode_attention = [], None, False
     # the q16 products without the activations' residual (Q16_BF16)
     residual = not (profile.kernels.get(Q16_BF16, False) and _plugin_bf16(core, profile))
+    # the prefill tail rows on the op's bf16 tiles (Q16_TAIL_TILES)
+    tail_tiles = profile.kernels.get(Q16_TAIL_TILES, False) and _plugin_bf16(core, profile) and _bf16_cpu()
     for name, (rewrite, default) in _KERNELS.items():
         if profile.kernels.get(name, default):
             if name == "q16_decode" and decode_graph:
@@ -226,7 +235,12 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
 
                     decode = native_decode_attention.apply(decode)
                     decode_attention = True
-            model = rewrite(model, residual=residual) if name == "q16_decode" else rewrite(model)
+            if name == "q16_decode":
+                from kernels import q16_decode
+
+                model = rewrite(model, residual=residual, tail_rows=q16_decode.TAIL_ROWS if tail_tiles else None)
+            else:
+                model = rewrite(model)
             applied.append(name)
     if decode is not None:
         applied.append(DECODE_GRAPH)
@@ -234,6 +248,8 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
             applied.append(DECODE_ATTENTION)
     if not residual and "q16_decode" in applied:
         applied.append(Q16_BF16)
+    if tail_tiles and "q16_decode" in applied:
+        applied.append(Q16_TAIL_TILES)
     if profile.kernels.get(EXPERTS_BF16, False) and "native_experts" in applied and _plugin_bf16(core, profile):
         from kernels import native, native_experts
 
@@ -249,6 +265,12 @@ def _plugin_type(core: Any, profile: Profile, key: str) -> str:
     if value is None:
         value = core.get_property(profile.engine.device, key)
     return (value.get_type_name() if hasattr(value, "get_type_name") else str(value)).lower()
+
+
+def _bf16_cpu() -> bool:
+    from kernels import native
+
+    return native.bf16_supported()
 
 
 def _plugin_bf16(core: Any, profile: Profile) -> bool:
