@@ -386,6 +386,17 @@ def test_every_dense_compressed_matmul_but_the_routers_is_rewritten(tiny_dir: Pa
     assert [op.get_type_name() for op in small.get_ordered_ops()].count("Q16Linear") == 1
 
 
+def _split_weights(rng: np.random.Generator) -> tuple[Any, Any, Any, Any]:
+    """u4 [64, 4, 128] weights, zero points and f16 scales as constants, and the exported pattern
+    that decompresses them to the f32 [64, 512] matrix a MatMul reads (what q16_decode rewrites)."""
+    from openvino import opset15 as op
+
+    (wc, _), (zc, _) = _u4(rng, (64, 4, 128)), _u4(rng, (64, 4, 1))
+    s = op.constant((rng.random((64, 4, 1)) * 0.05 + 0.01).astype(np.float16))
+    deq = op.multiply(op.subtract(op.convert(wc, np.float16), op.convert(zc, np.float16)), s)
+    return wc, zc, s, op.convert(op.reshape(deq, op.constant(np.array([64, 512])), False), np.float32)
+
+
 def test_rows_are_split_between_the_plugin_and_the_op() -> None:
     """One rewritten matmul [T, 512] x u4 [64, 4, 128]: chunks of up to MAX_ROWS rows give the
     op's own numbers bit for bit, longer ones the plugin's MatMul's, but for their last
@@ -394,10 +405,7 @@ def test_rows_are_split_between_the_plugin_and_the_op() -> None:
     from openvino import opset15 as op
 
     rng = np.random.default_rng(5)
-    (wc, _), (zc, _) = _u4(rng, (64, 4, 128)), _u4(rng, (64, 4, 1))
-    s = op.constant((rng.random((64, 4, 1)) * 0.05 + 0.01).astype(np.float16))
-    deq = op.multiply(op.subtract(op.convert(wc, np.float16), op.convert(zc, np.float16)), s)
-    weight = op.convert(op.reshape(deq, op.constant(np.array([64, 512])), False), np.float32)
+    wc, zc, s, weight = _split_weights(rng)
     core = ov.Core()
     native.register(core)
 
@@ -431,10 +439,7 @@ def test_tail_rows_go_to_the_tiles() -> None:
     from openvino import opset15 as op
 
     rng = np.random.default_rng(6)
-    (wc, _), (zc, _) = _u4(rng, (64, 4, 128)), _u4(rng, (64, 4, 1))
-    s = op.constant((rng.random((64, 4, 1)) * 0.05 + 0.01).astype(np.float16))
-    deq = op.multiply(op.subtract(op.convert(wc, np.float16), op.convert(zc, np.float16)), s)
-    weight = op.convert(op.reshape(deq, op.constant(np.array([64, 512])), False), np.float32)
+    wc, zc, s, weight = _split_weights(rng)
     core = ov.Core()
     native.register(core)
     p = op.parameter([-1, 512], np.float32, name="x")
