@@ -11,6 +11,7 @@ import pytest
 
 from kernels import last_token_logits, native, q16_decode
 from tests.helpers import REFERENCE, chunk_logits, kernel_greedy
+from tests.test_native import _bf16
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason=f"needs a CPU with {native.CPU_FLAGS}")
 # Numeric comparisons run the plugin in its reference mode (tests.helpers.REFERENCE): on an AVX-512
@@ -162,13 +163,6 @@ def test_q16_linear_without_the_residual(k: int, group: int, shape: tuple[int, .
 _BF16 = pytest.mark.skipif(not native.bf16_supported(), reason="the bf16 tiles need a CPU with AVX512-BF16")
 
 
-def _bf16_round(x: np.ndarray) -> np.ndarray:
-    """x (f32) rounded to bf16, to nearest even, as f64."""
-    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
-    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
-
-
 @_BF16
 @pytest.mark.parametrize(("k", "group"), [(2048, 128), (512, 128), (1024, 256)])
 @pytest.mark.parametrize("rows", [5, 7, 10, 11, 16, 21, 26, 32, 37])
@@ -185,7 +179,7 @@ def test_q16_linear_tile_rows(k: int, group: int, rows: int) -> None:
     x = rng.standard_normal((rows, k)).astype(np.float32)
     attributes = {"nibbles": True, "residual": False}
     got = _run_attrs([w, *inputs[1:]], x, {**attributes, q16_decode.TILE_ROWS: 5})
-    want = _bf16_round(x) @ dense.T
+    want = _bf16(x) @ dense.T
     err = np.abs(got - want)
     assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
     assert not np.array_equal(got, _run_attrs([w, *inputs[1:]], x, attributes))
@@ -362,6 +356,16 @@ def test_packed_bytes_share_the_constant_memory() -> None:
         q16_decode._as_bytes(op.constant(q).output(0))
 
 
+def _kld(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """KL(softmax(p) || softmax(q)) per row of logits."""
+
+    def logp(v: np.ndarray) -> np.ndarray:
+        v = v - v.max(axis=-1, keepdims=True)
+        return v - np.log(np.exp(v).sum(axis=-1, keepdims=True))
+
+    return (np.exp(logp(p)) * (logp(p) - logp(q))).sum(axis=-1)
+
+
 def _logits(model_dir: Path, chunks: list[int], model: object = None, **rewrite: object) -> np.ndarray:
     """Last-position logits after each chunk, of the plain graph, a rewrite of it, or `model`."""
     return chunk_logits(model_dir, chunks, (lambda m: q16_decode.apply(m, **rewrite)) if rewrite else None, model)
@@ -472,12 +476,7 @@ def test_q16_decode_keeps_the_logits(tiny_dir: Path, chunks: list[int]) -> None:
     distributions within a KL divergence of 1e-10 (measured ~3e-14; the gate allows 5e-3)."""
     plain, rewritten = _logits(tiny_dir, chunks), _logits(tiny_dir, chunks, min_bytes=0)
     assert np.abs(plain - rewritten).max() <= 5e-6 * np.abs(plain).max()
-
-    def logp(v: np.ndarray) -> np.ndarray:
-        v = v - v.max(axis=-1, keepdims=True)
-        return v - np.log(np.exp(v).sum(axis=-1, keepdims=True))
-
-    kld = (np.exp(logp(plain)) * (logp(plain) - logp(rewritten))).sum(axis=-1)
+    kld = _kld(plain, rewritten)
     assert kld.max() <= 1e-10, kld
 
 
@@ -491,12 +490,7 @@ def test_q16_tail_tiles_keep_the_logits(tiny_dir: Path, chunks: list[int]) -> No
     1e-5 (measured <= 8e-7; the gate allows 5e-3), the same argmax."""
     plain = _logits(tiny_dir, chunks)
     tiles = _logits(tiny_dir, chunks, min_bytes=0, residual=False, tail_rows=q16_decode.TAIL_ROWS)
-
-    def logp(v: np.ndarray) -> np.ndarray:
-        v = v - v.max(axis=-1, keepdims=True)
-        return v - np.log(np.exp(v).sum(axis=-1, keepdims=True))
-
-    kld = (np.exp(logp(plain)) * (logp(plain) - logp(tiles))).sum(axis=-1)
+    kld = _kld(plain, tiles)
     assert kld.max() <= 1e-5, kld
     assert (plain.argmax(axis=-1) == tiles.argmax(axis=-1)).all()
     assert not np.array_equal(plain, tiles)
@@ -677,25 +671,32 @@ def test_decode_graph_needs_q16_decode(tiny_dir: Path) -> None:
         specialised_model(ov.Core(), tiny_dir, profile)
 
 
+def _specialised(model_dir: Path, precision: str, switch: str, on: bool) -> tuple[Any, list[str], Any]:
+    """The `cpu` profile's specialised model and decode graph (and the rewrites applied), with the
+    plugin's INFERENCE_PRECISION_HINT set to `precision` and kernel `switch` on or off."""
+    import msgspec
+    import openvino as ov
+
+    from iq36.profile import load
+    from worker.engine.candidate import specialised_model
+
+    profile = load("cpu")
+    properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision}
+    engine = msgspec.structs.replace(profile.engine, properties=properties)
+    profile = msgspec.structs.replace(profile, engine=engine, kernels={**profile.kernels, switch: on})
+    return specialised_model(ov.Core(), model_dir, profile)
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_q16_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precision: str) -> None:
     """`q16_bf16` drops the activations' residual in every Q16Linear and U4Experts op of the main
     model and of the decode graph only where the plugin runs the model in bf16 (the profile's
     INFERENCE_PRECISION_HINT here; the rewrite does not need a bf16 CPU); the engine reports it
     then, and the graph identity changes with it."""
-    import msgspec
-    import openvino as ov
-
-    from iq36.profile import load
     from kernels.graph_hash import structure_hash
-    from worker.engine.candidate import specialised_model
 
     def specialised(switch: bool) -> tuple[Any, list[str], Any]:
-        profile = load("cpu")
-        properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision}
-        engine = msgspec.structs.replace(profile.engine, properties=properties)
-        profile = msgspec.structs.replace(profile, engine=engine, kernels={**profile.kernels, "q16_bf16": switch})
-        return specialised_model(ov.Core(), tiny_dir, profile)
+        return _specialised(tiny_dir, precision, "q16_bf16", switch)
 
     model, applied, decode = specialised(True)
     residual = [n.get_attributes()[q16_decode.RESIDUAL] for m in (model, decode) for n in m.get_ops()
@@ -716,23 +717,13 @@ def test_q16_tail_tiles_switch_follows_the_plugin_precision(tiny_dir: Path, prec
     has AVX512-BF16; the decode graph's ops never take the tiles. The engine reports it then, and
     the graph identity changes with it. Every dense matmul rewritten (dev-tiny's are all below
     MIN_BYTES)."""
-    import msgspec
-    import openvino as ov
-
-    from iq36.profile import load
     from kernels.graph_hash import structure_hash
-    from worker.engine.candidate import specialised_model
 
     apply = q16_decode.apply
     monkeypatch.setattr(q16_decode, "apply", lambda model, **kw: apply(model, **{**kw, "min_bytes": 0}))
 
     def specialised(switch: bool) -> tuple[Any, list[str], Any]:
-        profile = load("cpu")
-        properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision}
-        engine = msgspec.structs.replace(profile.engine, properties=properties)
-        profile = msgspec.structs.replace(profile, engine=engine,
-                                          kernels={**profile.kernels, "q16_tail_tiles": switch})
-        return specialised_model(ov.Core(), tiny_dir, profile)
+        return _specialised(tiny_dir, precision, "q16_tail_tiles", switch)
 
     def tile_rows(model: Any) -> list[int]:
         return [n.get_attributes().get(q16_decode.TILE_ROWS, 0) for n in model.get_ops()

@@ -92,10 +92,11 @@ def _native_conv(model: Any) -> Any:
     return native_conv.apply(model)
 
 
-def _q16_decode(model: Any, residual: bool = True, tail_rows: int | None = None) -> Any:
+def _q16_decode(model: Any, residual: bool = True, tail_tiles: bool = False) -> Any:
     from kernels import q16_decode
 
-    return q16_decode.apply(model, residual=residual, tail_rows=tail_rows or q16_decode.MAX_ROWS)
+    tail_rows = q16_decode.TAIL_ROWS if tail_tiles else q16_decode.MAX_ROWS
+    return q16_decode.apply(model, residual=residual, tail_rows=tail_rows)
 
 
 def _grouped_experts(model: Any) -> Any:
@@ -235,12 +236,7 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
 
                     decode = native_decode_attention.apply(decode)
                     decode_attention = True
-            if name == "q16_decode":
-                from kernels import q16_decode
-
-                model = rewrite(model, residual=residual, tail_rows=q16_decode.TAIL_ROWS if tail_tiles else None)
-            else:
-                model = rewrite(model)
+            model = rewrite(model, residual=residual, tail_tiles=tail_tiles) if name == "q16_decode" else rewrite(model)
             applied.append(name)
     if decode is not None:
         applied.append(DECODE_GRAPH)
@@ -251,9 +247,9 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     if tail_tiles and "q16_decode" in applied:
         applied.append(Q16_TAIL_TILES)
     if profile.kernels.get(EXPERTS_BF16, False) and "native_experts" in applied and _plugin_bf16(core, profile):
-        from kernels import native, native_experts
+        from kernels import native_experts
 
-        if native.bf16_supported() and native_experts.bf16_tiles(model):
+        if _bf16_cpu() and native_experts.bf16_tiles(model):
             applied.append(EXPERTS_BF16)
     return model, applied, decode
 
