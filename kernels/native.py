@@ -93,6 +93,15 @@ def amx_supported() -> bool:
     return bf16_supported() and all(f in cpu_flags() for f in AMX_CPU_FLAGS)
 
 
+# AVX512-VNNI (`U4Experts`' `int8` tiles, u4_experts_int8.hpp): with the bf16 tiles, and not where
+# AMX tiles take the lane form (the op keeps those there).
+INT8_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+def int8_supported() -> bool:
+    return bf16_supported() and all(f in cpu_flags() for f in INT8_CPU_FLAGS) and not amx_supported()
+
+
 def require_cpu(kernel: str, error: type[Exception]) -> None:
     """Raise `error` naming `kernel` if this CPU cannot run the native ops."""
     if not cpu_supported():

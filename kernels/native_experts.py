@@ -17,6 +17,13 @@ f32 sum, the activations rounded to bf16 as the plugin's own bf16 nodes round th
 block's input already is bf16 there). Where the CPU also has AMX-BF16, the tiles' whole 16-row
 blocks take AMX tile products with the same numerics (kernels/native/u4_experts_amx.hpp;
 `IQ36_AMX=0` keeps the vector tiles). Decode rows (one or two per expert) keep their paths.
+
+`int8_tiles` (switch `experts_int8`, with the bf16 tiles): where the plugin also quantizes its own
+compressed matmuls' activations to int8 per 32 inputs (its dynamic quantization: the default
+where it runs bf16) and the CPU has AVX512-VNNI without AMX, the lane form's tiles (experts of at
+least 11 rows) take x and the act rows as int8 per 32 inputs, the weights q as bytes, vpdpbusd
+products (kernels/native/u4_experts_int8.hpp): twice vdpbf16ps' multiply-adds per instruction,
+at the precision of the plugin's own matmuls there.
 """
 
 from __future__ import annotations
@@ -44,13 +51,24 @@ def bf16_tiles(model: Any) -> int:
     """Set the `bf16` attribute on every `U4Experts` op of `model` (in place); returns how many.
     Only for a model compiled with bf16 inference precision (its activations are bf16 values):
     the engine decides (worker/engine/candidate.py)."""
+    return _switch_on(model, "bf16")
+
+
+def int8_tiles(model: Any) -> int:
+    """Set the `int8` attribute on every `U4Experts` op of `model` (in place; after `bf16_tiles`,
+    which it needs); returns how many. Only for a model whose plugin quantizes its own matmuls'
+    activations to int8 per 32 inputs: the engine decides (worker/engine/candidate.py)."""
+    return _switch_on(model, "int8")
+
+
+def _switch_on(model: Any, attribute: str) -> int:
     from kernels import native
 
     done = 0
     for node in model.get_ordered_ops():
         if node.get_type_name() != "U4Experts":
             continue
-        attrs = {**node.get_attributes(), "bf16": True}
+        attrs = {**node.get_attributes(), attribute: True}
         new = native.factory().create("U4Experts", [node.input_value(i) for i in range(node.get_input_size())], attrs)
         new.set_friendly_name(node.get_friendly_name())
         for target in list(node.output(0).get_target_inputs()):

@@ -6,7 +6,8 @@ One routed-experts block (hidden 2048, expert 512, top-8, u4 asym group-128 weig
 their packed bytes, as `q16_decode` hands them over), random routing, tokens rounded to bf16.
 Prints the median and minimum time of one call per token count (after one untimed call). The
 bf16 tiles run where the CPU has AVX512-BF16, on AMX tiles where it has AMX-BF16 (`IQ36_AMX=0`:
-the vector tiles; `--f32`: the f32 tiles). To compare two builds of
+the vector tiles; `--f32`: the f32 tiles; `--int8`: the bf16 tiles and the int8 ones, their calls
+alternating, with the ratio). To compare two builds of
 the op, change a tuning macro in `kernels/native/*.hpp` (the build cache is keyed by content) and
 run this once per build: docs/perf-log.md, session 11.
 """
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--tokens", default="64,257,512", help="comma-separated token counts")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--f32", action="store_true", help="f32 tiles instead of bf16")
+    p.add_argument("--int8", action="store_true", help="bf16 and int8 tiles side by side (alternating calls)")
     args = p.parse_args()
 
     import openvino as ov
@@ -44,22 +46,29 @@ def main() -> None:
     px = op.parameter([-1, HIDDEN], np.float32, name="x")
     pidx = op.parameter([-1, TOP_K], np.int32, name="idx")
     pw = op.parameter([-1, TOP_K], np.float32, name="weights")
-    node = native.factory().create("U4Experts", [px, pidx, pw, op.constant(np.array([0], np.int64)), *mats],
-                                   {"q16_rows": 4, "nibbles": True, "bf16": not args.f32})
-    request = ov.Core().compile_model(ov.Model([node], [px, pidx, pw]), "CPU",
-                                      {"PERFORMANCE_HINT": "LATENCY"}).create_infer_request()
+    variants = {"bf16": False, "int8": True} if args.int8 else {"f32" if args.f32 else "bf16": False}
+    requests = {}
+    for name, int8 in variants.items():
+        node = native.factory().create("U4Experts", [px, pidx, pw, op.constant(np.array([0], np.int64)), *mats],
+                                       {"q16_rows": 4, "nibbles": True, "bf16": not args.f32, "int8": int8})
+        requests[name] = ov.Core().compile_model(ov.Model([node], [px, pidx, pw]), "CPU",
+                                                 {"PERFORMANCE_HINT": "LATENCY"}).create_infer_request()
     for tokens in (int(t) for t in args.tokens.split(",")):
         feed = {"x": _bf16(rng.standard_normal((tokens, HIDDEN))).astype(np.float32),
                 "idx": np.stack([rng.permutation(args.experts)[:TOP_K] for _ in range(tokens)]).astype(np.int32),
                 "weights": rng.random((tokens, TOP_K)).astype(np.float32)}
-        request.infer(feed)
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
+        times: dict[str, list[float]] = {name: [] for name in requests}
+        for request in requests.values():
             request.infer(feed)
-            times.append(time.perf_counter() - t0)
-        print(f"experts {args.experts}, {tokens} tokens: {np.median(times) * 1e3:.1f} ms (min {min(times) * 1e3:.1f})",
-              flush=True)
+        for _ in range(args.reps):
+            for name, request in requests.items():
+                t0 = time.perf_counter()
+                request.infer(feed)
+                times[name].append(time.perf_counter() - t0)
+        medians = {name: float(np.median(t)) for name, t in times.items()}
+        line = ", ".join(f"{name} {medians[name] * 1e3:.1f} ms (min {min(times[name]) * 1e3:.1f})" for name in times)
+        ratio = f"; bf16 / int8 {medians['bf16'] / medians['int8']:.2f}" if args.int8 else ""
+        print(f"experts {args.experts}, {tokens} tokens: {line}{ratio}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,16 +140,30 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
+def _int8(a: np.ndarray) -> np.ndarray:
+    """`a` (f32, a multiple of 32 values) quantized to int8 per 32 values as the op's int8 tiles do
+    (scale max |a| / 127, f32 arithmetic, ties to even), dequantized, as float64."""
+    a = np.asarray(a, np.float32).reshape(-1, 32)
+    amax = np.abs(a).max(axis=1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.clip(np.rint(a * inv), -127, 127)
+    return ((amax / np.float32(127)).astype(np.float64) * q).ravel()
+
+
 def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scale_type: type, experts: int,
                       hidden: int, width: int, groups: tuple[int, int], q16_rows: int = 0,
                       tol: float = 1e-5, nibbles: bool = False, bf16: bool = False,
-                      round_act: bool | None = None, residual: bool = True) -> np.ndarray:
+                      round_act: bool | None = None, residual: bool = True, int8: bool = False,
+                      quantize: bool = True) -> np.ndarray:
     """Runs the op (with the `q16_rows` attribute; with `nibbles`, on the weights' packed bytes
     typed u8, as q16_decode hands them over) against float64 within `tol` of the scale; returns
     its output. `bf16`: the `bf16` attribute, with inputs that are bf16 values (as the plugin's
     bf16 nodes hand them over); the reference rounds the act rows of the experts with more than
     two rows (the tiled ones) to bf16, as the op does (unless `round_act` is False). `residual`:
-    the attribute (False: the q16 rows' activations without their residual term)."""
+    the attribute (False: the q16 rows' activations without their residual term). `int8`: the
+    attribute too (with `bf16`); the reference quantizes x and the act rows of the experts of at
+    least 11 rows (the lane form's) to int8 per 32 inputs, as the op does (unless `quantize` is
+    False)."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -169,7 +186,7 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
 
         for m in (gate, up, down):
             m[0] = _as_bytes(m[0].output(0)).get_node()
-    attributes = {"q16_rows": q16_rows, "nibbles": nibbles, "bf16": bf16, "residual": residual}
+    attributes = {"q16_rows": q16_rows, "nibbles": nibbles, "bf16": bf16, "residual": residual, "int8": int8}
     node = native.factory().create("U4Experts", [px, pidx, pw, skip_c, *gate, *up, *down], attributes)
     core = ov.Core()
     request = core.compile_model(ov.Model([node], [px, pidx, pw]), "CPU").create_infer_request()
@@ -177,14 +194,20 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
 
     expected = np.zeros((tokens, hidden))
     xd = x.astype(np.float64)
-    tiled = np.bincount(idx[skip:].ravel(), minlength=experts) > 2
+    counts = np.bincount(idx[skip:].ravel(), minlength=experts)
+    tiled, lanes8 = counts > 2, (counts >= 11) if int8 and quantize else np.zeros(experts, bool)
     for t in range(skip, tokens):
         for j in range(k):
             e = int(idx[t, j])
-            a, b = g[e] @ xd[t], u[e] @ xd[t]
+            xt = _int8(x[t]) if lanes8[e] else xd[t]
+            a, b = g[e] @ xt, u[e] @ xt
             act = a / (1 + np.exp(-a)) * b
             rounded = (bf16 if round_act is None else round_act) and tiled[e]
-            expected[t] += weights[t, j] * (d[e] @ (_bf16(act) if rounded else act))
+            if lanes8[e]:
+                act = _int8(act.astype(np.float32))
+            elif rounded:
+                act = _bf16(act)
+            expected[t] += weights[t, j] * (d[e] @ act)
     assert got.shape == (tokens, hidden)
     assert not got[:skip].any()
     assert np.abs(got - expected).max() <= tol * max(1.0, float(np.abs(expected).max()))
@@ -241,6 +264,28 @@ def test_u4_experts_bf16_groups_of_128(nibbles: bool) -> None:
     idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
     _check_u4_experts(rng, idx, 0, np.float16, experts=len(counts), hidden=640, width=192, groups=(128, 96),
                       nibbles=nibbles, bf16=True)
+
+
+@pytest.mark.skipif(not native.int8_supported(),
+                    reason=f"needs a CPU with {', '.join(native.INT8_CPU_FLAGS)} and "
+                           f"{native.BF16_CPU_FLAGS[-1]}, without AMX (the op keeps its AMX tiles there)")
+@pytest.mark.parametrize("groups", [(128, 96), (32, 64)], ids=["g128-96", "g32-64"])
+@pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
+def test_u4_experts_int8_tiles(groups: tuple[int, int], nibbles: bool) -> None:
+    """The `int8` tiles: experts of at least 11 tokens (the lane form, padded to vectors of 16)
+    take x and their act rows as int8 per 32 inputs and the weights q as bytes; the integer sums
+    are exact, so the result is the float64 block on the dequantized activations. Experts of 11,
+    15 (one padded vector), 16, 17 (two), 43 (three: the 4 x 3 register block) tokens; 3 and 10
+    (the bf16 dot form), 1 and 2 (`direct`); 192 act rows (tasks of 128 and 64, 6-row kernels and
+    a 2-row tail); decompression in steps of 64 (groups of 128, 96) and 32 (groups of 32, 64)."""
+    rng = np.random.default_rng(17)
+    counts = [3, 10, 11, 15, 16, 17, 43, 1, 2]
+    idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
+    check = functools.partial(_check_u4_experts, idx=idx, skip=0, scale_type=np.float16, experts=len(counts),
+                              hidden=640, width=192, groups=groups, nibbles=nibbles, bf16=True, int8=True)
+    check(np.random.default_rng(17))
+    with pytest.raises(AssertionError):  # the int8 path really ran: without the quantization the reference is off
+        check(np.random.default_rng(17), quantize=False)
 
 
 def _run_checks(tmp_path: Path, script: str, name: str, values: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -444,6 +489,63 @@ def test_experts_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precis
     assert ("experts_bf16" in applied) == want
 
 
+@pytest.mark.parametrize(("precision", "group"), [("bf16", 32), ("bf16", 0), ("bf16", 64), ("f32", 32)])
+def test_experts_int8_switch_follows_the_plugin_quantization(tiny_dir: Path, precision: str, group: int) -> None:
+    """`experts_int8` marks the U4Experts ops only with the bf16 tiles and where the plugin
+    quantizes its own matmuls' activations per 32 inputs (DYNAMIC_QUANTIZATION_GROUP_SIZE 32), on
+    a CPU with AVX512-VNNI and no AMX; otherwise the engine does not report it."""
+    import msgspec
+    import openvino as ov
+
+    from iq36.profile import load
+    from worker.engine.candidate import specialised_model
+
+    profile = load("cpu")
+    properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision,
+                  "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}
+    profile = msgspec.structs.replace(profile, engine=msgspec.structs.replace(profile.engine, properties=properties),
+                                      kernels={**profile.kernels, "experts_bf16": True, "experts_int8": True})
+    model, applied, _ = specialised_model(ov.Core(), tiny_dir, profile)
+    marked = [n.get_attributes()["int8"] for n in model.get_ops() if n.get_type_name() == "U4Experts"]
+    want = precision == "bf16" and group == 32 and native.int8_supported()
+    assert marked and all(m == want for m in marked)
+    assert ("experts_int8" in applied) == want
+
+
+def _kld(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """KL(softmax(p) || softmax(q)) per row of logits."""
+
+    def logp(v: np.ndarray) -> np.ndarray:
+        v = v - v.max(axis=-1, keepdims=True)
+        return v - np.log(np.exp(v).sum(axis=-1, keepdims=True))
+
+    return (np.exp(logp(p)) * (logp(p) - logp(q))).sum(axis=-1)
+
+
+@pytest.mark.skipif(not native.int8_supported(),
+                    reason=f"needs a CPU with {', '.join(native.INT8_CPU_FLAGS)} and "
+                           f"{native.BF16_CPU_FLAGS[-1]}, without AMX")
+@pytest.mark.parametrize("chunks", [[256, 256], [40]], ids=["2x256", "40"])
+def test_experts_int8_moves_the_logits_less_than_the_plugins_own_quantization(tiny_dir: Path,
+                                                                               chunks: list[int]) -> None:
+    """The int8 tiles' budget is the plugin's own: in its f32 reference mode, the routed experts on
+    the int8 tiles move every position's next-token distribution (KL from the plain graph) no
+    further, in median and at most, than the plugin's dynamic quantization per 32 inputs moves the
+    plain graph (what it does to its compressed matmuls where it runs bf16). Measured on dev-tiny:
+    int8 tiles median 3-4e-6, max 0.7-4.3e-3; the plugin's median 7e-6 to 2e-5, max 2.3-5.9e-3."""
+    from kernels import native_experts
+
+    plain = _experts_logits(tiny_dir, False, chunks)
+    quantized = _experts_logits(tiny_dir, False, chunks,
+                                properties={"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 32})
+    tiles = _experts_logits(tiny_dir, True, chunks,
+                            then=lambda m: (native_experts.bf16_tiles(m), native_experts.int8_tiles(m)))
+    plugin, ours = _kld(plain, quantized), _kld(plain, tiles)
+    assert plugin.max() > 0 and ours.max() > 0  # both really quantized
+    assert np.median(ours) <= np.median(plugin), (np.median(ours), np.median(plugin))
+    assert ours.max() <= plugin.max(), (ours.max(), plugin.max())
+
+
 def test_u4_experts_rejects_out_of_range_experts() -> None:
     import openvino as ov
     from openvino import opset15 as op
@@ -506,8 +608,11 @@ def test_lm_head_u8_needs_a_u8_head(tiny_f32_dir: Path) -> None:
         lm_head_u8.apply(model)
 
 
-def _experts_logits(model_dir: Path, rewrite: bool | str, chunks: list[int]) -> np.ndarray:
-    """Every position's logits of a prompt fed in chunks of the given sizes (concatenated)."""
+def _experts_logits(model_dir: Path, rewrite: bool | str, chunks: list[int], properties: dict | None = None,
+                    then: Callable[[Any], Any] | None = None) -> np.ndarray:
+    """Every position's logits of a prompt fed in chunks of the given sizes (concatenated), the
+    model compiled with `properties` (default: the f32 reference mode); `then`: applied to the
+    model after the rewrite."""
     import openvino as ov
 
     from kernels import native_experts
@@ -517,7 +622,9 @@ def _experts_logits(model_dir: Path, rewrite: bool | str, chunks: list[int]) -> 
     if rewrite:
         (native_experts.apply_all if rewrite == "all" else native_experts.apply)(model)
         assert sum(op.get_type_name() == "U4Experts" for op in model.get_ops()) >= 1
-    request = core.compile_model(model, "CPU", REFERENCE).create_infer_request()
+    if then is not None:
+        then(model)
+    request = core.compile_model(model, "CPU", REFERENCE if properties is None else properties).create_infer_request()
     names = {p.get_any_name() for p in model.inputs}
     prompt = np.random.default_rng(sum(chunks)).integers(1000, 150000, sum(chunks))
     out, past = [], 0

@@ -456,6 +456,7 @@ static_assert(kGateRows <= kTaskRows && kDownRows <= kTaskRows, "slice_of sizes 
 }  // namespace iq36
 
 #include "u4_experts_bf16.hpp"
+#include "u4_experts_int8.hpp"
 
 namespace iq36 {
 
@@ -465,8 +466,8 @@ public:
 
     U4Experts() = default;
     explicit U4Experts(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
-    U4Experts(const ov::OutputVector& args, int64_t q16_rows, bool nibbles, bool bf16, bool residual = true)
-        : Op(args), m_q16_rows(q16_rows), m_nibbles(nibbles), m_bf16(bf16), m_residual(residual) {
+    U4Experts(const ov::OutputVector& args, int64_t q16_rows, bool nibbles, bool bf16, bool residual = true, bool int8 = false)
+        : Op(args), m_q16_rows(q16_rows), m_nibbles(nibbles), m_bf16(bf16), m_residual(residual), m_int8(int8) {
         constructor_validate_and_infer_types();
     }
 
@@ -508,7 +509,7 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<U4Experts>(args, m_q16_rows, m_nibbles, m_bf16, m_residual);
+        return std::make_shared<U4Experts>(args, m_q16_rows, m_nibbles, m_bf16, m_residual, m_int8);
     }
 
     // q16_rows: when the op has at most this many rows (decode), experts with one or two rows
@@ -523,11 +524,16 @@ public:
     // plugin runs in bf16, whose activations are bf16 values already.
     // residual: false rounds the q16 rows' activations (x and the act rows) to their int16 term
     // alone (`q16::Row`: within 2^-16 of a block's largest magnitude), a third fewer products.
+    // int8: with bf16, the lane form's tiles (experts of at least 16 rows, and of 11-15) take int8
+    // activations per 32 inputs and vpdpbusd products (u4_experts_int8.hpp) where the CPU has
+    // AVX512-VNNI and no AMX: for a model whose plugin quantizes its own compressed matmuls'
+    // activations that way (its dynamic quantization).
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("q16_rows", m_q16_rows);
         visitor.on_attribute("nibbles", m_nibbles);
         visitor.on_attribute("bf16", m_bf16);
         visitor.on_attribute("residual", m_residual);
+        visitor.on_attribute("int8", m_int8);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -606,6 +612,11 @@ public:
         // bf16 tiles: the act columns of the tiled experts also as input pairs for down
         const bool bf = m_bf16 && bf16::supported() && H % 2 == 0 && I % 2 == 0 && gate.group % 2 == 0 && down.group % 2 == 0 &&
                         kGateRows % 2 == 0;
+        // int8 tiles for the lane form (`int8`): whole activation groups in x, in the act rows and
+        // in each weight group and stage-1 task; not with AMX tiles (their bf16 products are faster)
+        const bool i8 = bf && m_int8 && int8::supported() && !amx::supported() && H % int8::kGroup == 0 &&
+                        I % int8::kGroup == 0 && gate.group % int8::kGroup == 0 && down.group % int8::kGroup == 0 &&
+                        kGateRows % int8::kGroup == 0;
         // act, per present expert: [I, m rounded up to 8] (token columns, as stage 2 reads them;
         // bf16 tiles: to 16, whole zmm vectors), or [m, I] rows for an expert with at most kDirect
         // rows (taken by `direct`). bf16 vector tiles: an expert with at most kDotTokens rows takes the
@@ -616,16 +627,19 @@ public:
         // stages: both groups must suit the tiles) instead of the vector dot products.
         const size_t dot_tokens = bf && amx::fits(gate.group) && amx::fits(down.group) ? 0 : bf16::kDotTokens;
         std::vector<size_t> aoff(E + 1, 0), ld(E, 0), lanes(E, 0), rem(E, 0), roff(E + 1, 0);
+        std::vector<char> q8(E, 0);  // experts on the int8 tiles
         for (size_t e = 0; e < E; ++e) {
             const size_t m = start[e + 1] - start[e];
             if (m > kDirect) {
                 // the tokens past whole vectors in the dot form when at most kDotTail (f32 tiles;
                 // splits' tiles: inputs in multiples of 16, whole dot vectors) or dot_tokens (bf16
                 // tiles: an expert of fewer tokens than a vector takes the dot form alone)
-                const bool dot = bf ? m % pad <= dot_tokens : split && m % pad <= kDotTail;
+                // (int8 tiles: no dot-form tail, which would need a bf16 tile of the same rows too)
+                const bool dot = bf ? m % pad <= dot_tokens && (!i8 || m < pad) : split && m % pad <= kDotTail;
                 rem[e] = dot ? m % pad : 0;
                 lanes[e] = dot ? m - rem[e] : (m + pad - 1) / pad * pad;
                 ld[e] = lanes[e] + rem[e];
+                q8[e] = i8 && lanes[e] > 0;
             }
             aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
             roff[e + 1] = roff[e] + rem[e];
@@ -650,6 +664,26 @@ public:
         uint32_t* act2 = act2_buffer.data();
         uint16_t* actr = actr_buffer.data();  // the dot-form tokens' act rows, bf16, token-major
         const size_t ldmax = *std::max_element(ld.begin(), ld.end());
+        // int8 tiles: x's rows as int8 (with their scales per kGroup and sums per weight group),
+        // the act columns likewise per expert (P: each kGroup's scaled sum, S: per down group)
+        const bool any8 = std::any_of(q8.begin(), q8.end(), [](char c) { return c != 0; });
+        const size_t xgroups = H / int8::kGroup, xweights = H / gate.group;
+        Scratch<int8_t> x8_buffer(any8 ? (T - skip) * H : 0);
+        Scratch<float> xsa_buffer(any8 ? (T - skip) * xgroups : 0), xS_buffer(any8 ? (T - skip) * xweights : 0);
+        Scratch<int32_t> act8_buffer(any8 ? aoff[E] / 4 : 0);
+        Scratch<float> asa_buffer(any8 ? aoff[E] / int8::kGroup : 0), aP_buffer(any8 ? aoff[E] / int8::kGroup : 0);
+        Scratch<float> aS_buffer(any8 ? aoff[E] / down.group : 0);
+        int8_t* x8 = x8_buffer.data();
+        float* xsa = xsa_buffer.data();
+        float* xS = xS_buffer.data();
+        int32_t* act8 = act8_buffer.data();
+        float* asa = asa_buffer.data();
+        float* aP = aP_buffer.data();
+        float* aS = aS_buffer.data();
+        if (any8)
+            tbb::parallel_for(size_t(0), T - skip, [&](size_t t) {
+                int8::quantize_row(xp + (skip + t) * H, H, gate.group, x8 + t * H, xsa + t * xgroups, xS + t * xweights);
+            });
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
         const size_t tiles = (I + kGateRows - 1) / kGateRows;
@@ -662,6 +696,8 @@ public:
             thread_local std::vector<uint16_t> xb, xf;  // xf: a row in the natural order, before fuse_row
             thread_local std::vector<float> xs;
             thread_local std::vector<const float*> rows;
+            thread_local AlignedVector<uint8_t> tile8;
+            thread_local std::vector<float> sw8, zs8, esa, eS;
             // the expert whose token columns xT (and xb, bf16) hold (the same call): its other row
             // tasks, which a thread mostly takes next, reuse them (measured: the rounding and
             // the transpose were ~20% of the op at 1024 tokens with AMX tiles; the f32 transpose
@@ -675,6 +711,12 @@ public:
                 tile16.resize(kGateRows * ks);
                 scales.resize(kGateRows * ks / std::min(gate.group, up.group));
                 dacc.resize(kGateRows * bf16::kDotTokens * 16);
+                if (any8) {
+                    const size_t ks8 = int8::slice_of(gate);  // up's: one shape
+                    tile8.resize(kGateRows * ks8);
+                    sw8.resize(kGateRows * ks8 / gate.group);
+                    zs8.resize(kGateRows * ks8 / gate.group);
+                }
             } else {
                 tile.resize(kGateRows * std::max(slice_of(gate, 4), slice_of(up, 4)));
             }
@@ -713,7 +755,29 @@ public:
                 const size_t n = ld[e];
                 g.resize(kGateRows * n);
                 u.resize(kGateRows * n);
-                if (bf) {  // the rows as bf16; a row's input pairs are 32-bit words, transposed like f32
+                if (q8[e]) {  // the rows as int8; four inputs are a 32-bit word, transposed like f32
+                    const size_t nl = lanes[e];
+                    if (held_call != call || held_expert != e) {
+                        for (size_t i = 0; i < m; ++i)
+                            rows[i] = reinterpret_cast<const float*>(x8 + (token[b + i] - skip) * H);
+                        xT.resize(H / 4 * nl);
+                        transpose_rows(rows.data(), m, zero.data(), H / 4, xT.data(), nl);
+                        esa.assign(xgroups * nl, 0.0f);  // padded columns: scale and sum 0
+                        eS.assign(xweights * nl, 0.0f);
+                        for (size_t i = 0; i < m; ++i) {
+                            const size_t t = token[b + i] - skip;
+                            for (size_t G = 0; G < xgroups; ++G)
+                                esa[G * nl + i] = xsa[t * xgroups + G];
+                            for (size_t G = 0; G < xweights; ++G)
+                                eS[G * nl + i] = xS[t * xweights + G];
+                        }
+                        held_call = call;
+                        held_expert = e;
+                    }
+                    const auto* xq = reinterpret_cast<const int32_t*>(xT.data());
+                    int8::products(gate, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8.data(), sw8.data(), zs8.data(), g.data(), n);
+                    int8::products(up, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8.data(), sw8.data(), zs8.data(), u.data(), n);
+                } else if (bf) {  // the rows as bf16; a row's input pairs are 32-bit words, transposed like f32
                     const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
                     const bool f = fused(fuse1, e);
                     if (held_call != call || held_expert != e) {
@@ -763,7 +827,10 @@ public:
                     for (size_t t = 0; t < n; ++t)  // padded columns: silu(0) * 0 = 0
                         ac[t] = silu(g[c * n + t]) * u[c * n + t];
                 }
-                if (bf) {  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even), the dot-form tokens' as rows
+                if (q8[e]) {  // rows r0 .. r0 + nr of act as int8 columns (whole kGroups: r0 and nr multiples of it)
+                    const size_t at = aoff[e] + r0 * n;
+                    int8::quantize_columns(a + r0 * n, nr, n, lanes[e], act8 + at / 4, asa + at / int8::kGroup, aP + at / int8::kGroup);
+                } else if (bf) {  // rows r0 .. r0 + nr of act as input pairs (r0 and nr even), the dot-form tokens' as rows
                     bf16::pair_columns(a + r0 * n, nr, n, lanes[e], act2 + (aoff[e] + r0 * n) / 2);
                     if (rem[e] > 0)
                         bf16::rows_of_columns(a + r0 * n + lanes[e], nr, n, rem[e], actr + roff[e] * I + r0, I, fused(fuse2, e));
@@ -777,6 +844,10 @@ public:
                     for (size_t i = 0; i < I; ++i)
                         actf[(roff[e] + j) * I + i] = act[aoff[e] + i * ld[e] + lanes[e] + j];
 
+        for (size_t e : present)  // int8 tiles: the act columns' sums per down group
+            if (q8[e])
+                int8::sum_groups(aP + aoff[e] / int8::kGroup, I, down.group, ld[e], lanes[e], aS + aoff[e] / down.group);
+
         if (use_q16)  // the direct experts' act rows, rounded for down
             for (size_t e : present)
                 if (start[e + 1] - start[e] <= kDirect)
@@ -785,13 +856,19 @@ public:
 
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> tile, out, scales, dacc;
+            thread_local std::vector<float> tile, out, scales, dacc, sw8, zs8;
             thread_local AlignedVector<uint16_t> tile16;
+            thread_local AlignedVector<uint8_t> tile8;
             const uint16_t* xr[bf16::kDotTokens];
             if (bf) {
                 tile16.resize(kDownRows * bf16::slice_of(down));
                 scales.resize(kDownRows * bf16::slice_of(down) / down.group);
                 dacc.resize(kDownRows * bf16::kDotTokens * 16);
+                if (any8) {
+                    tile8.resize(kDownRows * int8::slice_of(down));
+                    sw8.resize(kDownRows * int8::slice_of(down) / down.group);
+                    zs8.resize(kDownRows * int8::slice_of(down) / down.group);
+                }
             } else {
                 tile.resize(kDownRows * slice_of(down, 4));
             }
@@ -819,7 +896,10 @@ public:
                         continue;
                     }
                     const size_t n = ld[e];
-                    if (bf) {
+                    if (q8[e]) {
+                        int8::products(down, e, c0, nc, act8 + aoff[e] / 4, asa + aoff[e] / int8::kGroup, aS + aoff[e] / down.group, n,
+                                       lanes[e] / 16, tile8.data(), sw8.data(), zs8.data(), out.data(), n);
+                    } else if (bf) {
                         for (size_t j = 0; j < rem[e]; ++j)
                             xr[j] = actr + (roff[e] + j) * I;
                         bf16::products(down, e, c0, nc, act2 + aoff[e] / 2, n, lanes[e] / 16, xr, rem[e], dacc.data(),
@@ -849,6 +929,7 @@ private:
     bool m_nibbles = false;
     bool m_bf16 = false;
     bool m_residual = true;
+    bool m_int8 = false;
 };
 
 }  // namespace iq36

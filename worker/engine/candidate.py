@@ -163,6 +163,13 @@ DECODE_ATTENTION = "native_decode_attention"
 # AVX512-BF16; elsewhere the switch does nothing and the engine does not report it.
 EXPERTS_BF16 = "experts_bf16"
 
+# With EXPERTS_BF16 applied: the lane form's tiles on int8 activations per 32 inputs
+# (kernels/native_experts.py: int8_tiles), where the plugin quantizes its own compressed matmuls'
+# activations the same way (DYNAMIC_QUANTIZATION_GROUP_SIZE 32, its default where it runs bf16)
+# and the CPU has AVX512-VNNI without AMX; elsewhere the switch does nothing and the engine does
+# not report it.
+EXPERTS_INT8 = "experts_int8"
+
 # q16_decode's u4 products (the dense matmuls' decode rows and the routed experts' one- and
 # two-row experts) on the activations' int16 term alone, without its residual
 # (kernels/q16_decode.py: RESIDUAL): where `q16_decode` is on and the plugin runs the model in
@@ -196,7 +203,8 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 # Each rewrite's default when the profile's [kernels] table does not name it.
 _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
-KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16, Q16_BF16, Q16_TAIL_TILES})
+KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16, EXPERTS_INT8, Q16_BF16,
+                           Q16_TAIL_TILES})
 
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention",
@@ -251,6 +259,9 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
 
         if _bf16_cpu() and native_experts.bf16_tiles(model):
             applied.append(EXPERTS_BF16)
+            if profile.kernels.get(EXPERTS_INT8, False) and _plugin_int8_group(core, profile) == INT8_GROUP \
+                    and _int8_cpu() and native_experts.int8_tiles(model):
+                applied.append(EXPERTS_INT8)
     return model, applied, decode
 
 
@@ -267,6 +278,25 @@ def _bf16_cpu() -> bool:
     from kernels import native
 
     return native.bf16_supported()
+
+
+# The activation group of U4Experts' int8 tiles (u4_experts_int8.hpp: kGroup).
+INT8_GROUP = 32
+
+
+def _int8_cpu() -> bool:
+    from kernels import native
+
+    return native.int8_supported()
+
+
+def _plugin_int8_group(core: Any, profile: Profile) -> int:
+    """The inputs per int8 activation scale in the plugin's compressed matmuls
+    (DYNAMIC_QUANTIZATION_GROUP_SIZE; 0: no dynamic quantization)."""
+    try:
+        return int(_plugin_type(core, profile, "DYNAMIC_QUANTIZATION_GROUP_SIZE"))
+    except ValueError:
+        return 0
 
 
 def _plugin_bf16(core: Any, profile: Profile) -> bool:

@@ -1,0 +1,248 @@
+// U4Experts' lane-form products on int8 activations (AVX512-VNNI `vpdpbusd`), for a compiled model
+// whose CPU plugin quantizes the activations of its own compressed matmuls to int8 (its dynamic
+// quantization, per 32 inputs: its default where it runs the model in bf16): the `int8` attribute.
+//
+// What changes against the bf16 tiles (u4_experts_bf16.hpp): the tile holds the weights q as bytes
+// (0..15, the nibbles unpacked; no table), the activations are int8 per kGroup inputs (a = s_G *
+// a8, s_G = max |a| / 127 over the group, a8 rounded to nearest even), and one zmm vpdpbusd takes
+// four inputs of 16 tokens: twice vdpbf16ps' multiply-adds per instruction. Per weight row r and
+// weight group g (scale w_s, zero point z):
+//   sum_k (q_k - z) w_s a_k = w_s sum_G s_G (sum_{k in G} q_k a8_k) - w_s z S_g,
+//   S_g = sum_{G in g} s_G sum_{k in G} a8_k,
+// so the zero point never meets the integer products: each activation group's int32 sum is
+// scaled once (s_G w_s), and S_g (per token, computed with the activations) once per weight group.
+// The integer sums are exact; the f32 sums run in a fixed order. Only the lane form: an expert's
+// tokens padded to a multiple of 16 (zero columns: zero products, zero S); the dot and fused forms
+// (experts of fewer than 16 tokens) keep their bf16 products.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+// Included by u4_experts.hpp after u4_experts_bf16.hpp (Packed, value, slice_of, token_blocks).
+
+#define IQ36_INT8 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace iq36 {
+namespace experts {
+namespace int8 {
+
+constexpr size_t kGroup = 32;  // inputs per activation scale (the plugin's dynamic quantization group)
+
+inline bool supported() {
+    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return yes;
+}
+
+// A row of n floats (n a multiple of kGroup) as int8 per kGroup inputs: q (n bytes), s (n / kGroup
+// scales) and, per weight group of `group` inputs (a multiple of kGroup), S[g] = sum_G s_G sum_k q_k.
+IQ36_INT8 inline void quantize_row(const float* x, size_t n, size_t group, int8_t* q, float* s, float* S) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (size_t g = 0; g < n / group; ++g)
+        S[g] = 0.0f;
+    for (size_t k = 0; k < n; k += kGroup) {
+        const __m512 a = _mm512_loadu_ps(x + k), b = _mm512_loadu_ps(x + k + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k + 16), _mm512_cvtsepi32_epi8(qb));
+        const float sk = amax / 127.0f;
+        s[k / kGroup] = sk;
+        S[k / group] += sk * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+}
+
+// Token columns (a: K x ld floats, K a multiple of kGroup) as int8 per kGroup rows of each column,
+// for t < cols (a multiple of 16): q[(k / 4) * ld + t] holds rows k .. k + 3 of column t (a byte
+// each, k's lowest), s[(k / kGroup) * ld + t] the group's scale, P[(k / kGroup) * ld + t] = s_G *
+// sum_{k in G} q_k (summed into S per weight group by `sum_groups`).
+IQ36_INT8 inline void quantize_columns(const float* a, size_t K, size_t ld, size_t cols, int32_t* q, float* s, float* P) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    for (size_t k0 = 0; k0 < K; k0 += kGroup)
+        for (size_t t = 0; t < cols; t += 16) {
+            __m512 amax = _mm512_setzero_ps();
+            for (size_t k = k0; k < k0 + kGroup; ++k)
+                amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_loadu_ps(a + k * ld + t)));
+            const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+            const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax);
+            __m512i sum = _mm512_setzero_si512();
+            for (size_t k = k0; k < k0 + kGroup; k += 4) {
+                __m512i word = _mm512_setzero_si512();
+                for (int i = 0; i < 4; ++i) {
+                    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(a + (k + i) * ld + t), inv));
+                    sum = _mm512_add_epi32(sum, v);
+                    word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(v, byte), 8 * i));
+                }
+                _mm512_storeu_si512(q + (k / 4) * ld + t, word);
+            }
+            const __m512 sc = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+            _mm512_storeu_ps(s + (k0 / kGroup) * ld + t, sc);
+            _mm512_storeu_ps(P + (k0 / kGroup) * ld + t, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(sum)));
+        }
+}
+
+// S[(g) * ld + t] = sum of P[(G) * ld + t] over the activation groups G of weight group g, for K
+// inputs and t < cols.
+inline void sum_groups(const float* P, size_t K, size_t group, size_t ld, size_t cols, float* S) {
+    const size_t per = group / kGroup;
+    for (size_t g = 0; g < K / group; ++g)
+        for (size_t t = 0; t < cols; ++t) {
+            float v = 0.0f;
+            for (size_t G = g * per; G < (g + 1) * per; ++G)
+                v += P[G * ld + t];
+            S[g * ld + t] = v;
+        }
+}
+
+// Rows [r0, r0 + n) of expert e, inputs [k0, k0 + kn) (whole groups): q as bytes into w (n x kn,
+// the inputs in order), the group's scale into sw and scale x zero point into zs (n x kn / group).
+IQ36_INT8 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, uint8_t* w, float* sw,
+                                 float* zs) {
+    const size_t group = m.group, groups = m.groups;  // locals: the stores below may alias m
+    const size_t g0 = k0 / group, g1 = (k0 + kn) / group, gn = g1 - g0;
+    const __m512i low = _mm512_set1_epi16(0x000F), high = _mm512_set1_epi16(0x0F00);
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    for (size_t r = 0; r < n; ++r) {
+        const size_t row = e * m.out + r0 + r;
+        uint8_t* out = w + r * kn;
+        for (size_t g = g0; g < g1; ++g) {
+            const size_t gi = row * groups + g;
+            const float scale = m.scale(gi);
+            sw[r * gn + g - g0] = scale;
+            zs[r * gn + g - g0] = scale * static_cast<float>(value(m.z, gi, m.z4));
+            uint8_t* o = out + (g - g0) * group;
+            size_t j = 0;
+            if (m.w4) {
+                const uint8_t* src = m.w + (gi * group >> 1);
+                for (size_t line = 0; line < group / 2; line += 64)  // the row's next slice, as the bf16 tiles do
+                    _mm_prefetch(reinterpret_cast<const char*>(src + kn / 2 + line), _MM_HINT_T0);
+                // 64 weights per step: byte b as a word, low nibble in its low byte, high in its high
+                for (; j + 64 <= group; j += 64) {
+                    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j / 2)));
+                    _mm512_storeu_si512(o + j, _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(b, 4), high)));
+                }
+                for (; j + 32 <= group; j += 32) {
+                    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j / 2));
+                    const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + j), _mm_unpacklo_epi8(lo, hi));
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + j + 16), _mm_unpackhi_epi8(lo, hi));
+                }
+                for (; j < group; ++j)
+                    o[j] = value(m.w, gi * group + j, true);
+            } else {
+                std::memcpy(o, m.w + gi * group, group);
+            }
+        }
+    }
+}
+
+// o[c][v * 16 ..] (+)= the products of C weight rows (ldw apart, bytes) with V vectors of 16
+// tokens: xq holds the tokens' int8 inputs four to a lane (ldx lanes apart per input quad), sa
+// their scales per kGroup inputs and S their sums per weight group (both ldx apart); sw / zs the
+// rows' scales and scale x zero point per weight group (lds apart). Registers: 2 C V accumulators
+// (a kGroup's int32 sums, the f32 totals), V token vectors, V scales and a broadcast.
+template <int C, int V>
+IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t lds, size_t group,
+                             const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* o, size_t ldo,
+                             bool add) {
+    __m512 acc[C][V];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+            acc[c][v] = add ? _mm512_loadu_ps(o + c * ldo + v * 16) : _mm512_setzero_ps();
+    for (size_t g0 = 0; g0 < kn; g0 += group) {
+        for (size_t h = g0; h < g0 + group; h += kGroup) {
+            __m512i ga[C][V];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+                for (int v = 0; v < V; ++v)
+                    ga[c][v] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (size_t k = h; k < h + kGroup; k += 4) {
+                __m512i xv[V];
+#pragma GCC unroll 8
+                for (int v = 0; v < V; ++v)
+                    xv[v] = _mm512_loadu_si512(xq + (k / 4) * ldx + v * 16);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; ++c) {
+                    int32_t quad;
+                    std::memcpy(&quad, w + c * ldw + k, 4);
+                    const __m512i wb = _mm512_set1_epi32(quad);
+#pragma GCC unroll 8
+                    for (int v = 0; v < V; ++v)
+                        ga[c][v] = _mm512_dpbusd_epi32(ga[c][v], wb, xv[v]);
+                }
+            }
+            __m512 sv[V];
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v)
+                sv[v] = _mm512_loadu_ps(sa + (h / kGroup) * ldx + v * 16);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                const __m512 sc = _mm512_set1_ps(sw[c * lds + g0 / group]);
+#pragma GCC unroll 8
+                for (int v = 0; v < V; ++v)
+                    acc[c][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ga[c][v]), _mm512_mul_ps(sv[v], sc), acc[c][v]);
+            }
+        }
+        __m512 sg[V];
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+            sg[v] = _mm512_loadu_ps(S + (g0 / group) * ldx + v * 16);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const __m512 zc = _mm512_set1_ps(zs[c * lds + g0 / group]);
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v)
+                acc[c][v] = _mm512_fnmadd_ps(zc, sg[v], acc[c][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+            _mm512_storeu_ps(o + c * ldo + v * 16, acc[c][v]);
+}
+
+template <int C, int V>
+IQ36_INT8 inline void run(const uint8_t* w, const float* sw, const float* zs, size_t gn, size_t group, size_t n, size_t kn,
+                          const int32_t* xq, const float* sa, const float* S, size_t ldx, float* o, size_t ldo, bool add) {
+    size_t c = 0;
+    for (; c + C <= n; c += C)
+        kernel<C, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
+    for (; c < n; ++c)
+        kernel<1, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
+}
+
+// Inputs per pass: experts::slice_of's rule for tiles of one byte per weight.
+inline size_t slice_of(const Packed& m) { return experts::slice_of(m, 1); }
+
+// o[c][t] = dot(row r0 + c of expert e, token t) for c < n, t < vecs * 16: the token columns xq
+// (K / 4 x ldx lanes), their scales sa (K / kGroup x ldx) and sums S (K / m.group x ldx); the
+// weights decompressed one slice at a time into `tile` (n x slice_of(m) bytes), their scales into
+// sw and zs.
+inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32_t* xq, const float* sa, const float* S,
+                     size_t ldx, size_t vecs, uint8_t* tile, float* sw, float* zs, float* o, size_t ldo) {
+    const size_t K = m.in(), ks = slice_of(m);
+    for (size_t k0 = 0; k0 < K; k0 += ks) {
+        const size_t kn = std::min(ks, K - k0), gn = kn / m.group;
+        decompress(m, e, r0, n, k0, kn, tile, sw, zs);
+        token_blocks(vecs, [&](auto c, auto vs, size_t v) {
+            run<decltype(c)::value, decltype(vs)::value>(tile, sw, zs, gn, m.group, n, kn, xq + (k0 / 4) * ldx + v * 16,
+                                                         sa + (k0 / kGroup) * ldx + v * 16, S + (k0 / m.group) * ldx + v * 16,
+                                                         ldx, o + v * 16, ldo, k0 > 0);
+        });
+    }
+}
+
+}  // namespace int8
+}  // namespace experts
+}  // namespace iq36
