@@ -163,7 +163,7 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
     the attribute (False: the q16 rows' activations without their residual term). `int8`: the
     attribute too (with `bf16`); the reference quantizes x and the act rows of the experts of at
     least 11 rows (the lane form's) to int8 per 32 inputs, as the op does (unless `quantize` is
-    False)."""
+    False), and allows a few tokens' rows a quantization step apart."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -210,7 +210,13 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
             expected[t] += weights[t, j] * (d[e] @ act)
     assert got.shape == (tokens, hidden)
     assert not got[:skip].any()
-    assert np.abs(got - expected).max() <= tol * max(1.0, float(np.abs(expected).max()))
+    err = np.abs(got - expected).max(axis=1) / max(1.0, float(np.abs(expected).max()))
+    if lanes8.any():
+        # an act value within f32 rounding of a quantization boundary may land one step apart (the
+        # op's f32 sums against float64): a few tokens' rows, each within one step's weight
+        assert (err > tol).sum() <= max(1, tokens // 20) and err.max() <= 2e-3, np.sort(err)[-5:]
+    else:
+        assert err.max() <= tol
     return got
 
 
@@ -447,6 +453,13 @@ for nibbles in (False, True):
                             nibbles=nibbles, bf16=bf16)
         t._check_u4_experts(rng, idx[:1], 0, np.float32, experts=5, hidden=512, width=256, groups=(128, 128),
                             q16_rows=4, nibbles=nibbles, bf16=bf16)
+if native.int8_supported():  # the int8 tiles' buffers (x and the act columns as int8, their scales and sums)
+    counts = [3, 10, 11, 15, 16, 17, 43, 1, 2]
+    idx8 = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
+    for nibbles in (False, True):
+        for rows in (len(idx8), 40):
+            t._check_u4_experts(rng, idx8[:rows], 0, np.float16, experts=len(counts), hidden=640, width=192,
+                                groups=(128, 96), nibbles=nibbles, bf16=True, int8=True)
 print("checked")
 """
 
@@ -454,9 +467,9 @@ print("checked")
 def test_u4_experts_reads_only_what_it_wrote() -> None:
     """U4Experts keeps its act buffers between calls (`Scratch`, kernels/native/common.hpp). With
     IQ36_NATIVE_POISON=1 every such buffer is all-ones bytes (NaN) at each call, so an element
-    read before the call wrote it puts NaN in the output and fails the float64 comparison: f32
-    and bf16 tiles, packed and u8 weights, a large call then smaller ones (stale larger buffers),
-    then decode rows."""
+    read before the call wrote it puts NaN in the output and fails the float64 comparison: f32,
+    bf16 and int8 tiles, packed and u8 weights, a large call then smaller ones (stale larger
+    buffers), then decode rows."""
     import os
     import subprocess
     import sys
