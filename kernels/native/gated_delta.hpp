@@ -41,7 +41,54 @@ namespace iq36 {
 
 namespace gdn {
 
-// One sweep over the state's rows for one token: first the previous token's update and output
+// Columns [j0, j0 + 8 V) of one sweep, every row: the column block's output and kv sums stay in
+// registers for the whole walk down the rows (a row-major walk kept them in memory: a load and a
+// store of each per 8 elements and row, which bound the sweep), and dp's block too. Per element
+// the same operations in the same order of rows as the row-major walk, so the same bits.
+template <bool kUpdate, bool kDecay, int V>
+inline void sweep_columns(const float* src, float* dst, size_t dk, size_t dv, size_t j0, const float* kp, const float* dp,
+                          const float* qp, float* op, __m256 decay, const float* kt, float* kv) {
+    __m256 d[V], o[V], a[V];
+    for (int v = 0; v < V; ++v) {
+        d[v] = kUpdate ? _mm256_loadu_ps(dp + j0 + 8 * v) : _mm256_setzero_ps();
+        o[v] = kUpdate ? _mm256_loadu_ps(op + j0 + 8 * v) : _mm256_setzero_ps();
+        a[v] = kDecay ? _mm256_loadu_ps(kv + j0 + 8 * v) : _mm256_setzero_ps();
+    }
+    for (size_t i = 0; i < dk; ++i) {
+        const float* in = src + i * dv + j0;
+        float* row = dst + i * dv + j0;
+        const __m256 kpi = _mm256_set1_ps(kUpdate ? kp[i] : 0.0f), qpi = _mm256_set1_ps(kUpdate ? qp[i] : 0.0f);
+        const __m256 ki = _mm256_set1_ps(kDecay ? kt[i] : 0.0f);
+        for (int v = 0; v < V; ++v) {
+            __m256 s = _mm256_loadu_ps(in + 8 * v);
+            if constexpr (kUpdate) {
+                s = _mm256_fmadd_ps(kpi, d[v], s);
+                o[v] = _mm256_fmadd_ps(s, qpi, o[v]);
+            }
+            if constexpr (kDecay) {
+                s = _mm256_mul_ps(s, decay);
+                a[v] = _mm256_fmadd_ps(s, ki, a[v]);
+            }
+            _mm256_storeu_ps(row + 8 * v, s);
+        }
+    }
+    for (int v = 0; v < V; ++v) {
+        if constexpr (kUpdate)
+            _mm256_storeu_ps(op + j0 + 8 * v, o[v]);
+        if constexpr (kDecay)
+            _mm256_storeu_ps(kv + j0 + 8 * v, a[v]);
+    }
+}
+
+#ifndef IQ36_GDN_COLUMNS
+#define IQ36_GDN_COLUMNS 3
+#endif
+// 8-wide vectors per column block: three (9 accumulators, a state vector, 4 broadcasts in the 16
+// ymm registers)
+constexpr int kColumnVectors = IQ36_GDN_COLUMNS;
+
+// One sweep over the state's rows, in order, for one token (a decode step, whose state comes from
+// memory: the rows in order are the prefetchers' stream): first the previous token's update and output
 // (kUpdate: S += kp (x) dp, then op = qp . S), then this token's decay and kv (kDecay: S *= decay,
 // kv = k . S). Per element the same operations in the same order as two separate passes per
 // token (decay + kv, then update + out), so the same bits: the state is read and written once
@@ -49,7 +96,7 @@ namespace gdn {
 // by moving it through L2). The rows are read from `src` and written to `dst` (the same buffer
 // in a chunk); kStream writes the vector part with non-temporal stores (dst 32-byte aligned).
 template <bool kUpdate, bool kDecay, bool kStream = false>
-inline void sweep(const float* src, float* dst, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op,
+inline void sweep_rows(const float* src, float* dst, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op,
                   float decay_s, const float* kt, float* kv) {
     const __m256 decay = _mm256_set1_ps(decay_s);
     for (size_t i = 0; i < dk; ++i) {
@@ -86,6 +133,34 @@ inline void sweep(const float* src, float* dst, size_t dk, size_t dv, const floa
             row[j] = s;
         }
     }
+}
+
+// One sweep over the state for one token, as `sweep_rows` computes it (the same bits), for a
+// chunk's state, which stays in cache: column blocks of kColumnVectors x 8 (`sweep_columns`), then
+// of 8, then single columns. The op at dev-bench's shape (32 heads of 128 x 128, 512 tokens)
+// 29-31 -> 15-18 ms on a Zen 4 (docs/perf-log.md, session 32).
+template <bool kUpdate, bool kDecay>
+inline void sweep(const float* src, float* dst, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op,
+                  float decay_s, const float* kt, float* kv) {
+    const __m256 decay = _mm256_set1_ps(decay_s);
+    size_t j = 0;
+    for (; j + 8 * kColumnVectors <= dv; j += 8 * kColumnVectors)
+        sweep_columns<kUpdate, kDecay, kColumnVectors>(src, dst, dk, dv, j, kp, dp, qp, op, decay, kt, kv);
+    for (; j + 8 <= dv; j += 8)
+        sweep_columns<kUpdate, kDecay, 1>(src, dst, dk, dv, j, kp, dp, qp, op, decay, kt, kv);
+    for (; j < dv; ++j)
+        for (size_t i = 0; i < dk; ++i) {
+            float s = src[i * dv + j];
+            if constexpr (kUpdate) {
+                s += kp[i] * dp[j];
+                op[j] += s * qp[i];
+            }
+            if constexpr (kDecay) {
+                s *= decay_s;
+                kv[j] += s * kt[i];
+            }
+            dst[i * dv + j] = s;
+        }
 }
 
 // One head over T tokens; S (dk x dv) updated in place. Per token t (as the exported loop):
@@ -128,11 +203,11 @@ inline void head(const float* q, const float* k, const float* v, const float* g,
 inline void head_one(const float* q, const float* k, const float* v, float g, float beta, size_t dk, size_t dv, const float* s0,
                      float* s1, float* out, float* delta, float* scratch) {
     std::fill(delta, delta + dv, 0.0f);  // kv, then delta in place
-    sweep<false, true>(s0, scratch, dk, dv, nullptr, nullptr, nullptr, nullptr, std::exp(g), k, delta);
+    sweep_rows<false, true>(s0, scratch, dk, dv, nullptr, nullptr, nullptr, nullptr, std::exp(g), k, delta);
     for (size_t j = 0; j < dv; ++j)
         delta[j] = (v[j] - delta[j]) * beta;
     std::fill(out, out + dv, 0.0f);
-    sweep<true, false, true>(scratch, s1, dk, dv, k, delta, q, out, 1.0f, nullptr, nullptr);
+    sweep_rows<true, false, true>(scratch, s1, dk, dv, k, delta, q, out, 1.0f, nullptr, nullptr);
 }
 
 }  // namespace gdn

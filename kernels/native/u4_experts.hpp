@@ -34,6 +34,8 @@
 // those products on integers instead: each row and each act row written as two integer terms per
 // 128 inputs, pmaddwd / pmaddubsw on the packed weights (q16_linear.hpp); as close to float64 as
 // the f32 path.
+// With the `bf16` attribute the tiles take bf16 dot products (u4_experts_bf16.hpp), with `int8`
+// too the lane form's take int8 activations per 32 inputs (u4_experts_int8.hpp).
 // Math: (q - z) * s in f32, as the CPU plugin's own fused kernels compute it (the export's graph says f16; rounding the product to
 // f16 moved the logits 10x further from stock's, docs/perf-log.md), f32 accumulation in another
 // order than the plugin's.

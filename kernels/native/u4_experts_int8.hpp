@@ -147,6 +147,14 @@ IQ36_INT8 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n,
 // their scales per kGroup inputs and S their sums per weight group (both ldx apart); sw / zs the
 // rows' scales and scale x zero point per weight group (lds apart). Registers: 2 C V accumulators
 // (a kGroup's int32 sums, the f32 totals), V token vectors, V scales and a broadcast.
+// V vectors of 16 tokens' floats from p.
+template <int V>
+IQ36_INT8 inline void lanes_of(const float* p, __m512 (&out)[V]) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v)
+        out[v] = _mm512_loadu_ps(p + v * 16);
+}
+
 template <int C, int V>
 IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t lds, size_t group,
                              const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* o, size_t ldo,
@@ -182,9 +190,7 @@ IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, cons
                 }
             }
             __m512 sv[V];
-#pragma GCC unroll 8
-            for (int v = 0; v < V; ++v)
-                sv[v] = _mm512_loadu_ps(sa + (h / kGroup) * ldx + v * 16);
+            lanes_of<V>(sa + (h / kGroup) * ldx, sv);
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) {
                 const __m512 sc = _mm512_set1_ps(sw[c * lds + g0 / group]);
@@ -194,9 +200,7 @@ IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, cons
             }
         }
         __m512 sg[V];
-#pragma GCC unroll 8
-        for (int v = 0; v < V; ++v)
-            sg[v] = _mm512_loadu_ps(S + (g0 / group) * ldx + v * 16);
+        lanes_of<V>(S + (g0 / group) * ldx, sg);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
             const __m512 zc = _mm512_set1_ps(zs[c * lds + g0 / group]);
