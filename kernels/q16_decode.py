@@ -85,8 +85,15 @@ RESIDUAL = "residual"
 # t = 0); on the tiles 18.5 ms at t = 5, 20.3 at 16, 20.5 at 32, 21.0 at 36 (break-even), 23.0 at
 # 56 (docs/perf-log.md, session 31).
 TAIL_ROWS = 32
+# The same on the int8 tiles (`tile_int8`, experts::int8::dense: where the plugin quantizes these
+# matmuls' activations to int8 per 32 inputs itself), whose rows cost less: the same matmul at
+# 256 + t rows, plugin / bf16 tiles / int8 tiles: t = 16 21.4 / 19.6 / 18.9 ms, t = 32 22.3 / 21.3 /
+# 20.8, t = 40 21.9 / 23.0 / 20.8, t = 48 21.6 / 22.5 / 20.9, t = 56 21.6 / 23.5 / 21.7 (break-even;
+# docs/perf-log.md, session 32).
+TAIL_ROWS_INT8 = 48
 TILE_FROM = MAX_ROWS + 1  # the op's rows from which the tiles take them (fewer: the integer products)
 TILE_ROWS = "tile_rows"  # the op's attribute: calls of at least this many rows take the tiles
+TILE_INT8 = "tile_int8"  # the op's attribute: those rows on the int8 tiles (activations int8 per 32 inputs)
 
 
 class RewriteError(RuntimeError):
@@ -221,14 +228,16 @@ def _experts_to_op(node: Any, factory: Any, residual: bool = True) -> None:
 
 
 def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool = True, residual: bool = True,
-          tail_rows: int = MAX_ROWS) -> Any:
+          tail_rows: int = MAX_ROWS, tile_int8: bool = False) -> Any:
     """Rewrite `model` (before compile) in place; returns it. `min_bytes`: smaller weights stay
     on the plugin; `head=False` leaves the LM head alone (tests isolate the split with it).
     `split=False`: a decode graph, every matmul replaced outright (any rows run the op).
     `residual=False`: the ops round the activations of u4 products to their int16 term alone
     (`RESIDUAL`), for a model the plugin runs in bf16. `tail_rows` (> MAX_ROWS: `TAIL_ROWS`, for
     a model the plugin runs in bf16): a chunk's last rows past whole row blocks go to the op when
-    at most this many, and the op takes those past MAX_ROWS on its bf16 tiles (`TILE_ROWS`)."""
+    at most this many, and the op takes those past MAX_ROWS on its bf16 tiles (`TILE_ROWS`), or with
+    `tile_int8` on its int8 tiles (`TILE_INT8`: for a model whose plugin quantizes these matmuls'
+    activations to int8 per 32 inputs itself)."""
     from kernels import last_token_logits, native
 
     native.require_cpu(NAME, RewriteError)
@@ -260,6 +269,7 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
             attributes = {"nibbles": nibbles, RESIDUAL: residual}
             if tiles:
                 attributes[TILE_ROWS] = TILE_FROM
+                attributes[TILE_INT8] = tile_int8
             return factory.create("Q16Linear", [*inputs, *consts], attributes)
 
         if is_head or not split:

@@ -503,16 +503,21 @@ def test_experts_bf16_switch_follows_the_plugin_precision(tiny_dir: Path, precis
 
 
 @pytest.mark.parametrize(("precision", "group"), [("bf16", 32), ("bf16", 0), ("bf16", 64), ("f32", 32)])
-def test_experts_int8_switch_follows_the_plugin_quantization(tiny_dir: Path, precision: str, group: int) -> None:
-    """`experts_int8` marks the U4Experts ops only with the bf16 tiles and where the plugin
-    quantizes its own matmuls' activations per 32 inputs (DYNAMIC_QUANTIZATION_GROUP_SIZE 32), on
-    a CPU with AVX512-VNNI and no AMX; otherwise the engine does not report it."""
+def test_experts_int8_switch_follows_the_plugin_quantization(tiny_dir: Path, precision: str, group: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`experts_int8` marks the U4Experts ops (and q16_tail_tiles' Q16Linear ops) only with the
+    bf16 tiles and where the plugin quantizes its own matmuls' activations per 32 inputs
+    (DYNAMIC_QUANTIZATION_GROUP_SIZE 32), on a CPU with AVX512-VNNI and no AMX; otherwise the
+    engine does not report it."""
     import msgspec
     import openvino as ov
 
     from iq36.profile import load
+    from kernels import q16_decode
     from worker.engine.candidate import specialised_model
 
+    apply = q16_decode.apply  # every dense matmul rewritten (dev-tiny's are all below MIN_BYTES)
+    monkeypatch.setattr(q16_decode, "apply", lambda model, **kw: apply(model, **{**kw, "min_bytes": 0}))
     profile = load("cpu")
     properties = {**profile.engine.properties, "INFERENCE_PRECISION_HINT": precision,
                   "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}
@@ -523,6 +528,11 @@ def test_experts_int8_switch_follows_the_plugin_quantization(tiny_dir: Path, pre
     want = precision == "bf16" and group == 32 and native.int8_supported()
     assert marked and all(m == want for m in marked)
     assert ("experts_int8" in applied) == want
+    # q16_tail_tiles' rows on the same tiles (where the tail tiles apply at all: bf16)
+    tails = [n.get_attributes()["tile_int8"] for n in model.get_ops()
+             if n.get_type_name() == "Q16Linear" and n.get_attributes()["tile_rows"] > 0]
+    assert bool(tails) == (precision == "bf16" and native.bf16_supported())
+    assert all(t == want for t in tails)
 
 
 def _kld(p: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -172,20 +172,51 @@ def test_q16_linear_tile_rows(k: int, group: int, rows: int) -> None:
     alone): against float64 on x rounded to bf16, every output to f32 accuracy, and not the
     integer products' numbers (the tiles ran); fewer rows keep the integer products bit for bit.
     200 weight rows: a task of 128 and one of 72."""
-    rng = np.random.default_rng(rows * 7 + k)
-    n = 200
-    inputs, dense = _weights(rng, "u4", n, k, group, np.float16)
-    w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    attributes = {"nibbles": True, "residual": False}
-    got = _run_attrs([w, *inputs[1:]], x, {**attributes, q16_decode.TILE_ROWS: 5})
+    weights, dense, x, attributes = _tile_case(rows * 7 + k, k, group, rows)
+    got = _run_attrs(weights, x, {**attributes, q16_decode.TILE_ROWS: 5})
     want = _bf16(x) @ dense.T
     err = np.abs(got - want)
     assert (err <= _bound(x, dense)).all(), float((err / _bound(x, dense)).max())
-    assert not np.array_equal(got, _run_attrs([w, *inputs[1:]], x, attributes))
+    assert not np.array_equal(got, _run_attrs(weights, x, attributes))
     few = x[:4]
-    assert np.array_equal(_run_attrs([w, *inputs[1:]], few, {**attributes, q16_decode.TILE_ROWS: 5}),
-                          _run_attrs([w, *inputs[1:]], few, attributes))
+    assert np.array_equal(_run_attrs(weights, few, {**attributes, q16_decode.TILE_ROWS: 5}),
+                          _run_attrs(weights, few, attributes))
+
+
+def _tile_case(seed: int, k: int, group: int, rows: int) -> tuple[list, np.ndarray, np.ndarray, dict[str, Any]]:
+    """200 rows of u4 weights (as the op's inputs, the bytes typed u8) over k inputs, their dense
+    float64 form, `rows` rows of x, and the op's attributes without tiles."""
+    rng = np.random.default_rng(seed)
+    inputs, dense = _weights(rng, "u4", 200, k, group, np.float16)
+    w = q16_decode._as_bytes(inputs[0].output(0)).get_node()
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    return [w, *inputs[1:]], dense, x, {"nibbles": True, "residual": False}
+
+
+@pytest.mark.skipif(not native.int8_supported(),
+                    reason=f"the int8 tiles need a CPU with {', '.join(native.INT8_CPU_FLAGS)} and AVX512-BF16, "
+                           "without AMX")
+@pytest.mark.parametrize(("k", "group"), [(2048, 128), (1024, 256), (512, 128)])
+@pytest.mark.parametrize("rows", [11, 16, 21, 32, 37])
+def test_q16_linear_tile_rows_int8(k: int, group: int, rows: int) -> None:
+    """`tile_int8` with `tile_rows`: calls of more than 10 rows take the int8 tiles (x as int8 per 32
+    inputs, the lane form padded to vectors of 16): against float64 on x so quantized, every
+    output to f32 accuracy, and not the bf16 tiles' numbers; 5-10 rows keep the bf16 tiles' dot or
+    fused form (as an expert of that many tokens), fewer the integer products, bit for bit. 200
+    weight rows: a task of 128 and one of 72."""
+    from tests.test_native import _int8
+
+    weights, dense, x, attributes = _tile_case(rows * 11 + k, k, group, rows)
+    tiles = {**attributes, q16_decode.TILE_ROWS: 5, q16_decode.TILE_INT8: True}
+    got = _run_attrs(weights, x, tiles)
+    xq = np.stack([_int8(row) for row in x])
+    err = np.abs(got - xq @ dense.T)
+    assert (err <= _bound(xq, dense)).all(), float((err / _bound(xq, dense)).max())
+    bf16_tiles = {**attributes, q16_decode.TILE_ROWS: 5}
+    assert not np.array_equal(got, _run_attrs(weights, x, bf16_tiles))
+    assert np.array_equal(_run_attrs(weights, x[:10], tiles), _run_attrs(weights, x[:10], bf16_tiles))
+    few = x[:4]
+    assert np.array_equal(_run_attrs(weights, few, tiles), _run_attrs(weights, few, attributes))
 
 
 def _run_attrs(node_inputs: list, x: np.ndarray, attributes: dict[str, Any]) -> np.ndarray:

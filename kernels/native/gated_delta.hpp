@@ -41,6 +41,22 @@ namespace iq36 {
 
 namespace gdn {
 
+// State element (i, j) of one sweep, scalar (the columns past whole vectors): the previous
+// token's update and output (kUpdate), then this token's decay and kv (kDecay); returns it.
+template <bool kUpdate, bool kDecay>
+inline float element(float s, size_t i, size_t j, const float* kp, const float* dp, const float* qp, float* op, float decay_s,
+                     const float* kt, float* kv) {
+    if constexpr (kUpdate) {
+        s += kp[i] * dp[j];
+        op[j] += s * qp[i];
+    }
+    if constexpr (kDecay) {
+        s *= decay_s;
+        kv[j] += s * kt[i];
+    }
+    return s;
+}
+
 // Columns [j0, j0 + 8 V) of one sweep, every row: the column block's output and kv sums stay in
 // registers for the whole walk down the rows (a row-major walk kept them in memory: a load and a
 // store of each per 8 elements and row, which bound the sweep), and dp's block too. Per element
@@ -120,18 +136,8 @@ inline void sweep_rows(const float* src, float* dst, size_t dk, size_t dv, const
             else
                 _mm256_storeu_ps(row + j, s);
         }
-        for (; j < dv; ++j) {
-            float s = in[j];
-            if constexpr (kUpdate) {
-                s += kp[i] * dp[j];
-                op[j] += s * qp[i];
-            }
-            if constexpr (kDecay) {
-                s *= decay_s;
-                kv[j] += s * kt[i];
-            }
-            row[j] = s;
-        }
+        for (; j < dv; ++j)
+            row[j] = element<kUpdate, kDecay>(in[j], i, j, kp, dp, qp, op, decay_s, kt, kv);
     }
 }
 
@@ -149,18 +155,8 @@ inline void sweep(const float* src, float* dst, size_t dk, size_t dv, const floa
     for (; j + 8 <= dv; j += 8)
         sweep_columns<kUpdate, kDecay, 1>(src, dst, dk, dv, j, kp, dp, qp, op, decay, kt, kv);
     for (; j < dv; ++j)
-        for (size_t i = 0; i < dk; ++i) {
-            float s = src[i * dv + j];
-            if constexpr (kUpdate) {
-                s += kp[i] * dp[j];
-                op[j] += s * qp[i];
-            }
-            if constexpr (kDecay) {
-                s *= decay_s;
-                kv[j] += s * kt[i];
-            }
-            dst[i * dv + j] = s;
-        }
+        for (size_t i = 0; i < dk; ++i)
+            dst[i * dv + j] = element<kUpdate, kDecay>(src[i * dv + j], i, j, kp, dp, qp, op, decay_s, kt, kv);
 }
 
 // One head over T tokens; S (dk x dv) updated in place. Per token t (as the exported loop):

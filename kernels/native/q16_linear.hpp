@@ -320,6 +320,10 @@ namespace bf16 {
 // includes after this header (one translation unit: iq36_ops.cpp). False where they do not apply.
 inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y);
 }  // namespace bf16
+namespace int8 {
+// The same on the int8 tiles (u4_experts_int8.hpp).
+inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y);
+}  // namespace int8
 }  // namespace experts
 
 class Q16Linear final : public ov::op::Op {
@@ -327,8 +331,9 @@ public:
     OPENVINO_OP("Q16Linear", "iq36");
 
     Q16Linear() = default;
-    explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false, bool residual = true, int64_t tile_rows = 0)
-        : Op(args), m_nibbles(nibbles), m_residual(residual), m_tile_rows(tile_rows) {
+    explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false, bool residual = true, int64_t tile_rows = 0,
+                       bool tile_int8 = false)
+        : Op(args), m_nibbles(nibbles), m_residual(residual), m_tile_rows(tile_rows), m_tile_int8(tile_int8) {
         constructor_validate_and_infer_types();
     }
 
@@ -363,7 +368,7 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<Q16Linear>(args, m_nibbles, m_residual, m_tile_rows);
+        return std::make_shared<Q16Linear>(args, m_nibbles, m_residual, m_tile_rows, m_tile_int8);
     }
 
     // nibbles: w is u8 [N, G, g / 2], the packed bytes of u4 weights (the CPU plugin widens a u4
@@ -374,10 +379,14 @@ public:
     // (`experts::bf16::dense`) where the CPU has AVX512-BF16 and the weights are u4; the integer
     // products elsewhere. For the plugin's bf16 models: a prefill chunk's last rows past its row
     // blocks (kernels/q16_decode.py: TAIL_ROWS).
+    // tile_int8: those rows on the int8 tiles instead (`experts::int8::dense`: activations as int8
+    // per 32 inputs, as the plugin quantizes its own compressed matmuls' there) where the CPU has
+    // AVX512-VNNI; the bf16 tiles elsewhere.
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("nibbles", m_nibbles);
         visitor.on_attribute("residual", m_residual);
         visitor.on_attribute("tile_rows", m_tile_rows);
+        visitor.on_attribute("tile_int8", m_tile_int8);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -406,7 +415,8 @@ public:
         if (M == 0)
             return true;
         if (m_tile_rows > 0 && M >= static_cast<size_t>(m_tile_rows) &&
-            experts::bf16::dense(W, x.data<const float>(), M, outputs[0].data<float>()))
+            ((m_tile_int8 && experts::int8::dense(W, x.data<const float>(), M, outputs[0].data<float>())) ||
+             experts::bf16::dense(W, x.data<const float>(), M, outputs[0].data<float>())))
             return true;
         std::vector<q16::Row> rows(M);
         for (size_t m = 0; m < M; ++m)
@@ -438,6 +448,7 @@ private:
     bool m_nibbles = false;
     bool m_residual = true;
     int64_t m_tile_rows = 0;
+    bool m_tile_int8 = false;
 };
 
 }  // namespace iq36

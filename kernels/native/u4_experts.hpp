@@ -454,6 +454,28 @@ constexpr size_t kGateRows = IQ36_GATE_ROWS;  // rows of gate and of up per stag
 constexpr size_t kDownRows = IQ36_DOWN_ROWS;  // rows of down (output columns) per stage-2 task
 static_assert(kGateRows <= kTaskRows && kDownRows <= kTaskRows, "slice_of sizes the tiles for kTaskRows rows");
 
+// A dense matmul's N output rows (m's, taken as expert 0's) for M tokens on the tiles, in tasks of
+// kGateRows rows (Q16Linear's `tile_rows`: bf16::dense, int8::dense): rows(r0, n, o) writes rows
+// [r0, r0 + n) into o (n x ldo, a column per token), then y[t][r0 + c] = o[c][t].
+template <class Rows>
+inline void dense_tasks(const Packed& m, size_t N, size_t M, size_t ldo, float* y, Rows&& rows) {
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, (N + kGateRows - 1) / kGateRows), [&](const tbb::blocked_range<size_t>& r) {
+        thread_local std::vector<float> o;
+        o.resize(kGateRows * ldo);
+        const auto rows_of = [&](size_t task) { return std::min(kGateRows, N - task * kGateRows); };
+        prefetch_slice(m, 0, r.begin() * kGateRows, rows_of(r.begin()));
+        for (size_t task = r.begin(); task != r.end(); ++task) {
+            const size_t r0 = task * kGateRows, n = rows_of(task);
+            if (task + 1 != r.end())
+                prefetch_slice(m, 0, r0 + kGateRows, rows_of(task + 1));
+            rows(r0, n, o.data());
+            for (size_t t = 0; t < M; ++t)
+                for (size_t c = 0; c < n; ++c)
+                    y[t * N + r0 + c] = o[c * ldo + t];
+        }
+    });
+}
+
 }  // namespace experts
 }  // namespace iq36
 

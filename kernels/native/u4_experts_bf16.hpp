@@ -582,25 +582,14 @@ inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y) {
     const uint16_t* xr[kDotTokens];
     for (size_t j = 0; j < rem; ++j)
         xr[j] = xb + (lanes + j) * K;
-    const size_t ldo = lanes + rem, ks = slice_of(m), tasks = (N + kGateRows - 1) / kGateRows;
-    tbb::parallel_for(tbb::blocked_range<size_t>(0, tasks), [&](const tbb::blocked_range<size_t>& r) {
+    const size_t ldo = lanes + rem, ks = slice_of(m);
+    dense_tasks(m, N, M, ldo, y, [&](size_t r0, size_t n, float* o) {
         thread_local AlignedVector<uint16_t> tile;
-        thread_local std::vector<float> scales, acc, o;
+        thread_local std::vector<float> scales, acc;
         tile.resize(kGateRows * ks);
         scales.resize(kGateRows * ks / m.group);
         acc.resize(kGateRows * kDotTokens * 16);
-        o.resize(kGateRows * ldo);
-        const auto rows_of = [&](size_t task) { return std::min(kGateRows, N - task * kGateRows); };
-        prefetch_slice(m, 0, r.begin() * kGateRows, rows_of(r.begin()));
-        for (size_t task = r.begin(); task != r.end(); ++task) {
-            const size_t r0 = task * kGateRows, n = rows_of(task);
-            if (task + 1 != r.end())
-                prefetch_slice(m, 0, r0 + kGateRows, rows_of(task + 1));
-            products(m, 0, r0, n, xp, lanes, lanes / 16, xr, rem, acc.data(), tile.data(), scales.data(), o.data(), ldo, fused);
-            for (size_t t = 0; t < M; ++t)
-                for (size_t c = 0; c < n; ++c)
-                    y[t * N + r0 + c] = o[c * ldo + t];
-        }
+        products(m, 0, r0, n, xp, lanes, lanes / 16, xr, rem, acc.data(), tile.data(), scales.data(), o, ldo, fused);
     });
     return true;
 }

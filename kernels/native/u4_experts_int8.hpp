@@ -247,6 +247,52 @@ inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32
     }
 }
 
+// A compressed dense matmul's rows on these tiles, for Q16Linear's `tile_rows` with `tile_int8`:
+// y [M, N] = x [M, K] . W^T, W's N rows taken as one expert's and x's M rows as its tokens, in the
+// lane form (padded to a vector of 16), as bf16::dense does on the bf16 tiles. What it is for: a
+// prefill chunk's last rows past the plugin's row blocks (kernels/q16_decode.py: TAIL_ROWS) in a
+// model whose plugin quantizes these matmuls' activations to int8 per 32 inputs itself. False,
+// computing nothing, where the tiles do not apply (no AVX512-VNNI, u8 weights, groups or K not
+// whole activation groups) and for at most bf16::kDotTokens rows, which the bf16 tiles' dot or
+// fused form takes (as an expert of that many tokens).
+inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y) {
+    if (!supported() || !W.w4 || W.K % kGroup != 0 || W.group % kGroup != 0 || M <= bf16::kDotTokens)
+        return false;
+    const Packed m{W.w, W.z, W.w4, W.z4, W.s, W.s16, W.N, W.K / W.group, W.group};
+    const size_t K = W.K, N = W.N, lanes = (M + 15) / 16 * 16, gs = K / kGroup, gw = K / W.group;
+    Scratch<int8_t> x8_buffer(M * K);
+    Scratch<float> rs_buffer(M * gs), rS_buffer(M * gw);
+    int8_t* x8 = x8_buffer.data();
+    for (size_t t = 0; t < M; ++t)
+        quantize_row(x + t * K, K, W.group, x8 + t * K, rs_buffer.data() + t * gs, rS_buffer.data() + t * gw);
+    // the rows' words of four inputs as columns (K / 4 x lanes; zero columns past M), their scales
+    // and sums likewise
+    std::vector<const float*> rows(M);
+    for (size_t t = 0; t < M; ++t)
+        rows[t] = reinterpret_cast<const float*>(x8 + t * K);
+    Scratch<float> xT_buffer(K / 4 * lanes);
+    const std::vector<float> zero(K / 4, 0.0f);
+    transpose_rows(rows.data(), M, zero.data(), K / 4, xT_buffer.data(), lanes);
+    std::vector<float> sa(gs * lanes, 0.0f), S(gw * lanes, 0.0f);
+    for (size_t t = 0; t < M; ++t) {
+        for (size_t G = 0; G < gs; ++G)
+            sa[G * lanes + t] = rs_buffer.data()[t * gs + G];
+        for (size_t G = 0; G < gw; ++G)
+            S[G * lanes + t] = rS_buffer.data()[t * gw + G];
+    }
+    const auto* xq = reinterpret_cast<const int32_t*>(xT_buffer.data());
+    const size_t ks = slice_of(m);
+    dense_tasks(m, N, M, lanes, y, [&](size_t r0, size_t n, float* o) {
+        thread_local AlignedVector<uint8_t> tile;
+        thread_local std::vector<float> sw, zs;
+        tile.resize(kGateRows * ks);
+        sw.resize(kGateRows * ks / m.group);
+        zs.resize(kGateRows * ks / m.group);
+        products(m, 0, r0, n, xq, sa.data(), S.data(), lanes, lanes / 16, tile.data(), sw.data(), zs.data(), o, lanes);
+    });
+    return true;
+}
+
 }  // namespace int8
 }  // namespace experts
 }  // namespace iq36

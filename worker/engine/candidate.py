@@ -92,11 +92,13 @@ def _native_conv(model: Any) -> Any:
     return native_conv.apply(model)
 
 
-def _q16_decode(model: Any, residual: bool = True, tail_tiles: bool = False) -> Any:
+def _q16_decode(model: Any, residual: bool = True, tail_tiles: bool = False, tile_int8: bool = False) -> Any:
     from kernels import q16_decode
 
-    tail_rows = q16_decode.TAIL_ROWS if tail_tiles else q16_decode.MAX_ROWS
-    return q16_decode.apply(model, residual=residual, tail_rows=tail_rows)
+    tail_rows = q16_decode.MAX_ROWS
+    if tail_tiles:
+        tail_rows = q16_decode.TAIL_ROWS_INT8 if tile_int8 else q16_decode.TAIL_ROWS
+    return q16_decode.apply(model, residual=residual, tail_rows=tail_rows, tile_int8=tile_int8)
 
 
 def _grouped_experts(model: Any) -> Any:
@@ -164,7 +166,8 @@ DECODE_ATTENTION = "native_decode_attention"
 EXPERTS_BF16 = "experts_bf16"
 
 # With EXPERTS_BF16 applied: the lane form's tiles on int8 activations per 32 inputs
-# (kernels/native_experts.py: int8_tiles), where the plugin quantizes its own compressed matmuls'
+# (kernels/native_experts.py: int8_tiles), and Q16_TAIL_TILES' rows on the same int8 tiles
+# (kernels/q16_decode.py: TILE_INT8), where the plugin quantizes its own compressed matmuls'
 # activations the same way (DYNAMIC_QUANTIZATION_GROUP_SIZE 32, its default where it runs bf16)
 # and the CPU has AVX512-VNNI without AMX; elsewhere the switch does nothing and the engine does
 # not report it.
@@ -233,6 +236,10 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     residual = not (profile.kernels.get(Q16_BF16, False) and _plugin_bf16(core, profile))
     # the prefill tail rows on the op's bf16 tiles (Q16_TAIL_TILES)
     tail_tiles = profile.kernels.get(Q16_TAIL_TILES, False) and _plugin_bf16(core, profile) and _bf16_cpu()
+    # the experts' tiles and the tail rows' on int8 activations (EXPERTS_INT8)
+    int8 = (profile.kernels.get(EXPERTS_INT8, False) and profile.kernels.get(EXPERTS_BF16, False)
+            and profile.kernels.get("native_experts", _DEFAULTS["native_experts"]) and _plugin_bf16(core, profile)
+            and _bf16_cpu() and _plugin_int8_group(core, profile) == INT8_GROUP and _int8_cpu())
     for name, (rewrite, default) in _KERNELS.items():
         if profile.kernels.get(name, default):
             if name == "q16_decode" and decode_graph:
@@ -244,7 +251,8 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
 
                     decode = native_decode_attention.apply(decode)
                     decode_attention = True
-            model = rewrite(model, residual=residual, tail_tiles=tail_tiles) if name == "q16_decode" else rewrite(model)
+            model = (rewrite(model, residual=residual, tail_tiles=tail_tiles, tile_int8=int8) if name == "q16_decode"
+                     else rewrite(model))
             applied.append(name)
     if decode is not None:
         applied.append(DECODE_GRAPH)
@@ -259,8 +267,7 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
 
         if _bf16_cpu() and native_experts.bf16_tiles(model):
             applied.append(EXPERTS_BF16)
-            if profile.kernels.get(EXPERTS_INT8, False) and _plugin_int8_group(core, profile) == INT8_GROUP \
-                    and _int8_cpu() and native_experts.int8_tiles(model):
+            if int8 and native_experts.int8_tiles(model):
                 applied.append(EXPERTS_INT8)
     return model, applied, decode
 
