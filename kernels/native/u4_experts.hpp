@@ -691,23 +691,14 @@ public:
         // int8 tiles: x's rows as int8 (with their scales per kGroup and sums per weight group),
         // the act columns likewise per expert (P: each kGroup's scaled sum, S: per down group)
         const bool any8 = std::any_of(q8.begin(), q8.end(), [](char c) { return c != 0; });
-        const size_t xgroups = H / int8::kGroup, xweights = H / gate.group;
-        Scratch<int8_t> x8_buffer(any8 ? (T - skip) * H : 0);
-        Scratch<float> xsa_buffer(any8 ? (T - skip) * xgroups : 0), xS_buffer(any8 ? (T - skip) * xweights : 0);
+        int8::QuantizedRows x8(xp + skip * H, any8 ? T - skip : 0, H, gate.group);
         Scratch<int32_t> act8_buffer(any8 ? aoff[E] / 4 : 0);
         Scratch<float> asa_buffer(any8 ? aoff[E] / int8::kGroup : 0), aP_buffer(any8 ? aoff[E] / int8::kGroup : 0);
         Scratch<float> aS_buffer(any8 ? aoff[E] / down.group : 0);
-        int8_t* x8 = x8_buffer.data();
-        float* xsa = xsa_buffer.data();
-        float* xS = xS_buffer.data();
         int32_t* act8 = act8_buffer.data();
         float* asa = asa_buffer.data();
         float* aP = aP_buffer.data();
         float* aS = aS_buffer.data();
-        if (any8)
-            tbb::parallel_for(size_t(0), T - skip, [&](size_t t) {
-                int8::quantize_row(xp + (skip + t) * H, H, gate.group, x8 + t * H, xsa + t * xgroups, xS + t * xweights);
-            });
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
         const size_t tiles = (I + kGateRows - 1) / kGateRows;
@@ -720,8 +711,8 @@ public:
             thread_local std::vector<uint16_t> xb, xf;  // xf: a row in the natural order, before fuse_row
             thread_local std::vector<float> xs;
             thread_local std::vector<const float*> rows;
-            thread_local AlignedVector<uint8_t> tile8;
-            thread_local std::vector<float> sw8, zs8, esa, eS;
+            thread_local int8::Tile tile8;
+            thread_local std::vector<float> esa, eS;
             // the expert whose token columns xT (and xb, bf16) hold (the same call): its other row
             // tasks, which a thread mostly takes next, reuse them (measured: the rounding and
             // the transpose were ~20% of the op at 1024 tokens with AMX tiles; the f32 transpose
@@ -735,12 +726,8 @@ public:
                 tile16.resize(kGateRows * ks);
                 scales.resize(kGateRows * ks / std::min(gate.group, up.group));
                 dacc.resize(kGateRows * bf16::kDotTokens * 16);
-                if (any8) {
-                    const size_t ks8 = int8::slice_of(gate);  // up's: one shape
-                    tile8.resize(kGateRows * ks8);
-                    sw8.resize(kGateRows * ks8 / gate.group);
-                    zs8.resize(kGateRows * ks8 / gate.group);
-                }
+                if (any8)
+                    tile8.fit(gate, kGateRows);  // up's: one shape
             } else {
                 tile.resize(kGateRows * std::max(slice_of(gate, 4), slice_of(up, 4)));
             }
@@ -782,25 +769,16 @@ public:
                 if (q8[e]) {  // the rows as int8; four inputs are a 32-bit word, transposed like f32
                     const size_t nl = lanes[e];
                     if (held_call != call || held_expert != e) {
-                        for (size_t i = 0; i < m; ++i)
-                            rows[i] = reinterpret_cast<const float*>(x8 + (token[b + i] - skip) * H);
                         xT.resize(H / 4 * nl);
-                        transpose_rows(rows.data(), m, zero.data(), H / 4, xT.data(), nl);
-                        esa.assign(xgroups * nl, 0.0f);  // padded columns: scale and sum 0
-                        eS.assign(xweights * nl, 0.0f);
-                        for (size_t i = 0; i < m; ++i) {
-                            const size_t t = token[b + i] - skip;
-                            for (size_t G = 0; G < xgroups; ++G)
-                                esa[G * nl + i] = xsa[t * xgroups + G];
-                            for (size_t G = 0; G < xweights; ++G)
-                                eS[G * nl + i] = xS[t * xweights + G];
-                        }
+                        esa.resize(x8.gs * nl);
+                        eS.resize(x8.gw * nl);
+                        x8.columns(m, [&](size_t i) { return token[b + i] - skip; }, nl, xT.data(), esa.data(), eS.data());
                         held_call = call;
                         held_expert = e;
                     }
                     const auto* xq = reinterpret_cast<const int32_t*>(xT.data());
-                    int8::products(gate, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8.data(), sw8.data(), zs8.data(), g.data(), n);
-                    int8::products(up, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8.data(), sw8.data(), zs8.data(), u.data(), n);
+                    int8::products(gate, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8, g.data(), n);
+                    int8::products(up, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8, u.data(), n);
                 } else if (bf) {  // the rows as bf16; a row's input pairs are 32-bit words, transposed like f32
                     const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
                     const bool f = fused(fuse1, e);
@@ -880,19 +858,16 @@ public:
 
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
-            thread_local std::vector<float> tile, out, scales, dacc, sw8, zs8;
+            thread_local std::vector<float> tile, out, scales, dacc;
             thread_local AlignedVector<uint16_t> tile16;
-            thread_local AlignedVector<uint8_t> tile8;
+            thread_local int8::Tile tile8;
             const uint16_t* xr[bf16::kDotTokens];
             if (bf) {
                 tile16.resize(kDownRows * bf16::slice_of(down));
                 scales.resize(kDownRows * bf16::slice_of(down) / down.group);
                 dacc.resize(kDownRows * bf16::kDotTokens * 16);
-                if (any8) {
-                    tile8.resize(kDownRows * int8::slice_of(down));
-                    sw8.resize(kDownRows * int8::slice_of(down) / down.group);
-                    zs8.resize(kDownRows * int8::slice_of(down) / down.group);
-                }
+                if (any8)
+                    tile8.fit(down, kDownRows);
             } else {
                 tile.resize(kDownRows * slice_of(down, 4));
             }
@@ -922,7 +897,7 @@ public:
                     const size_t n = ld[e];
                     if (q8[e]) {
                         int8::products(down, e, c0, nc, act8 + aoff[e] / 4, asa + aoff[e] / int8::kGroup, aS + aoff[e] / down.group, n,
-                                       lanes[e] / 16, tile8.data(), sw8.data(), zs8.data(), out.data(), n);
+                                       lanes[e] / 16, tile8, out.data(), n);
                     } else if (bf) {
                         for (size_t j = 0; j < rem[e]; ++j)
                             xr[j] = actr + (roff[e] + j) * I;

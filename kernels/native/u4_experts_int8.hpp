@@ -229,23 +229,74 @@ IQ36_INT8 inline void run(const uint8_t* w, const float* sw, const float* zs, si
 // Inputs per pass: experts::slice_of's rule for tiles of one byte per weight.
 inline size_t slice_of(const Packed& m) { return experts::slice_of(m, 1); }
 
+// A thread's tile: up to `rows` weight rows x slice_of(m) inputs as bytes, with their scales and
+// scale x zero points per group.
+struct Tile {
+    AlignedVector<uint8_t> w;
+    std::vector<float> sw, zs;
+    void fit(const Packed& m, size_t rows) {
+        const size_t ks = slice_of(m);
+        w.resize(rows * ks);
+        sw.resize(rows * ks / m.group);
+        zs.resize(rows * ks / m.group);
+    }
+};
+
 // o[c][t] = dot(row r0 + c of expert e, token t) for c < n, t < vecs * 16: the token columns xq
 // (K / 4 x ldx lanes), their scales sa (K / kGroup x ldx) and sums S (K / m.group x ldx); the
-// weights decompressed one slice at a time into `tile` (n x slice_of(m) bytes), their scales into
-// sw and zs.
+// weights decompressed one slice at a time into `tile` (fit for at least n rows of m).
 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32_t* xq, const float* sa, const float* S,
-                     size_t ldx, size_t vecs, uint8_t* tile, float* sw, float* zs, float* o, size_t ldo) {
+                     size_t ldx, size_t vecs, Tile& tile, float* o, size_t ldo) {
     const size_t K = m.in(), ks = slice_of(m);
+    uint8_t* w = tile.w.data();
+    float* sw = tile.sw.data();
+    float* zs = tile.zs.data();
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0), gn = kn / m.group;
-        decompress(m, e, r0, n, k0, kn, tile, sw, zs);
+        decompress(m, e, r0, n, k0, kn, w, sw, zs);
         token_blocks(vecs, [&](auto c, auto vs, size_t v) {
-            run<decltype(c)::value, decltype(vs)::value>(tile, sw, zs, gn, m.group, n, kn, xq + (k0 / 4) * ldx + v * 16,
+            run<decltype(c)::value, decltype(vs)::value>(w, sw, zs, gn, m.group, n, kn, xq + (k0 / 4) * ldx + v * 16,
                                                          sa + (k0 / kGroup) * ldx + v * 16, S + (k0 / m.group) * ldx + v * 16,
                                                          ldx, o + v * 16, ldo, k0 > 0);
         });
     }
 }
+
+// M rows of K inputs quantized (`quantize_row`, the rows in parallel): row t's bytes at q + t K,
+// its scales at s + t gs (gs = K / kGroup), its sums at S + t gw (gw = K / group).
+struct QuantizedRows {
+    size_t K, gs, gw;
+    Scratch<int8_t> q_buffer;
+    Scratch<float> s_buffer, S_buffer;
+    QuantizedRows(const float* x, size_t M, size_t K_, size_t group)
+        : K(K_), gs(K_ / kGroup), gw(K_ / group), q_buffer(M * K_), s_buffer(M * gs), S_buffer(M * gw) {
+        tbb::parallel_for(size_t(0), M, [&](size_t t) {
+            quantize_row(x + t * K, K, group, q_buffer.data() + t * K, s_buffer.data() + t * gs, S_buffer.data() + t * gw);
+        });
+    }
+
+    // Rows row(0) .. row(m - 1) as the lane form's columns, nl of them (zero past m): their words of
+    // four inputs into xT (K / 4 x nl), scales into sa (gs x nl) and sums into S (gw x nl).
+    template <class Row>
+    void columns(size_t m, Row row, size_t nl, float* xT, float* sa, float* S) {
+        thread_local std::vector<const float*> rows;
+        thread_local std::vector<float> zero;
+        rows.resize(m);
+        zero.assign(K / 4, 0.0f);
+        for (size_t i = 0; i < m; ++i)
+            rows[i] = reinterpret_cast<const float*>(q_buffer.data() + row(i) * K);
+        transpose_rows(rows.data(), m, zero.data(), K / 4, xT, nl);
+        std::fill(sa, sa + gs * nl, 0.0f);
+        std::fill(S, S + gw * nl, 0.0f);
+        for (size_t i = 0; i < m; ++i) {
+            const size_t t = row(i);
+            for (size_t G = 0; G < gs; ++G)
+                sa[G * nl + i] = s_buffer.data()[t * gs + G];
+            for (size_t G = 0; G < gw; ++G)
+                S[G * nl + i] = S_buffer.data()[t * gw + G];
+        }
+    }
+};
 
 // A compressed dense matmul's rows on these tiles, for Q16Linear's `tile_rows` with `tile_int8`:
 // y [M, N] = x [M, K] . W^T, W's N rows taken as one expert's and x's M rows as its tokens, in the
@@ -259,36 +310,16 @@ inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y) {
     if (!supported() || !W.w4 || W.K % kGroup != 0 || W.group % kGroup != 0 || M <= bf16::kDotTokens)
         return false;
     const Packed m{W.w, W.z, W.w4, W.z4, W.s, W.s16, W.N, W.K / W.group, W.group};
-    const size_t K = W.K, N = W.N, lanes = (M + 15) / 16 * 16, gs = K / kGroup, gw = K / W.group;
-    Scratch<int8_t> x8_buffer(M * K);
-    Scratch<float> rs_buffer(M * gs), rS_buffer(M * gw);
-    int8_t* x8 = x8_buffer.data();
-    for (size_t t = 0; t < M; ++t)
-        quantize_row(x + t * K, K, W.group, x8 + t * K, rs_buffer.data() + t * gs, rS_buffer.data() + t * gw);
-    // the rows' words of four inputs as columns (K / 4 x lanes; zero columns past M), their scales
-    // and sums likewise
-    std::vector<const float*> rows(M);
-    for (size_t t = 0; t < M; ++t)
-        rows[t] = reinterpret_cast<const float*>(x8 + t * K);
+    const size_t K = W.K, lanes = (M + 15) / 16 * 16;
+    QuantizedRows rows(x, M, K, W.group);
     Scratch<float> xT_buffer(K / 4 * lanes);
-    const std::vector<float> zero(K / 4, 0.0f);
-    transpose_rows(rows.data(), M, zero.data(), K / 4, xT_buffer.data(), lanes);
-    std::vector<float> sa(gs * lanes, 0.0f), S(gw * lanes, 0.0f);
-    for (size_t t = 0; t < M; ++t) {
-        for (size_t G = 0; G < gs; ++G)
-            sa[G * lanes + t] = rs_buffer.data()[t * gs + G];
-        for (size_t G = 0; G < gw; ++G)
-            S[G * lanes + t] = rS_buffer.data()[t * gw + G];
-    }
+    std::vector<float> sa(rows.gs * lanes), S(rows.gw * lanes);
+    rows.columns(M, [](size_t i) { return i; }, lanes, xT_buffer.data(), sa.data(), S.data());
     const auto* xq = reinterpret_cast<const int32_t*>(xT_buffer.data());
-    const size_t ks = slice_of(m);
-    dense_tasks(m, N, M, lanes, y, [&](size_t r0, size_t n, float* o) {
-        thread_local AlignedVector<uint8_t> tile;
-        thread_local std::vector<float> sw, zs;
-        tile.resize(kGateRows * ks);
-        sw.resize(kGateRows * ks / m.group);
-        zs.resize(kGateRows * ks / m.group);
-        products(m, 0, r0, n, xq, sa.data(), S.data(), lanes, lanes / 16, tile.data(), sw.data(), zs.data(), o, lanes);
+    dense_tasks(m, W.N, M, lanes, y, [&](size_t r0, size_t n, float* o) {
+        thread_local Tile tile;
+        tile.fit(m, kGateRows);
+        products(m, 0, r0, n, xq, sa.data(), S.data(), lanes, lanes / 16, tile, o, lanes);
     });
     return true;
 }

@@ -236,10 +236,12 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     residual = not (profile.kernels.get(Q16_BF16, False) and _plugin_bf16(core, profile))
     # the prefill tail rows on the op's bf16 tiles (Q16_TAIL_TILES)
     tail_tiles = profile.kernels.get(Q16_TAIL_TILES, False) and _plugin_bf16(core, profile) and _bf16_cpu()
-    # the experts' tiles and the tail rows' on int8 activations (EXPERTS_INT8)
-    int8 = (profile.kernels.get(EXPERTS_INT8, False) and profile.kernels.get(EXPERTS_BF16, False)
-            and profile.kernels.get("native_experts", _DEFAULTS["native_experts"]) and _plugin_bf16(core, profile)
-            and _bf16_cpu() and _plugin_int8_group(core, profile) == INT8_GROUP and _int8_cpu())
+    # the experts' tiles on bf16 dot products (EXPERTS_BF16, once native_experts has run), and on
+    # int8 activations with the tail rows' too (EXPERTS_INT8)
+    experts_bf16 = profile.kernels.get(EXPERTS_BF16, False) and _plugin_bf16(core, profile) and _bf16_cpu()
+    int8 = (experts_bf16 and profile.kernels.get(EXPERTS_INT8, False)
+            and profile.kernels.get("native_experts", _DEFAULTS["native_experts"])
+            and _plugin_int8_group(core, profile) == INT8_GROUP and _int8_cpu())
     for name, (rewrite, default) in _KERNELS.items():
         if profile.kernels.get(name, default):
             if name == "q16_decode" and decode_graph:
@@ -262,10 +264,10 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
         applied.append(Q16_BF16)
     if tail_tiles and "q16_decode" in applied:
         applied.append(Q16_TAIL_TILES)
-    if profile.kernels.get(EXPERTS_BF16, False) and "native_experts" in applied and _plugin_bf16(core, profile):
+    if experts_bf16 and "native_experts" in applied:
         from kernels import native_experts
 
-        if _bf16_cpu() and native_experts.bf16_tiles(model):
+        if native_experts.bf16_tiles(model):
             applied.append(EXPERTS_BF16)
             if int8 and native_experts.int8_tiles(model):
                 applied.append(EXPERTS_INT8)
