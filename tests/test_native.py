@@ -278,14 +278,16 @@ def test_u4_experts_bf16_groups_of_128(nibbles: bool) -> None:
 @pytest.mark.parametrize("groups", [(128, 96), (32, 64)], ids=["g128-96", "g32-64"])
 @pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
 def test_u4_experts_int8_tiles(groups: tuple[int, int], nibbles: bool) -> None:
-    """The `int8` tiles: experts of at least 11 tokens (the lane form, padded to vectors of 16)
-    take x and their act rows as int8 per 32 inputs and the weights q as bytes; the integer sums
-    are exact, so the result is the float64 block on the dequantized activations. Experts of 11,
-    15 (one padded vector), 16, 17 (two), 43 (three: the 4 x 3 register block) tokens; 3 and 10
-    (the bf16 dot form), 1 and 2 (`direct`); 192 act rows (tasks of 128 and 64, 6-row kernels and
-    a 2-row tail); decompression in steps of 64 (groups of 128, 96) and 32 (groups of 32, 64)."""
+    """The `int8` tiles: experts of at least 11 tokens (the lane form, padded to a multiple of 8:
+    vectors of 16, then one of 8 in a ymm) take x and their act rows as int8 per 32 inputs and the
+    weights q as bytes; the integer sums are exact, so the result is the float64 block on the
+    dequantized activations. Experts of 11, 15 (one padded vector), 16, 17 (a vector of 16 and a
+    padded one of 8), 24 (one of 16 and one of 8), 43 (three: the 4 x 3 register block), 56 (three
+    and one of 8) tokens; 3 and 10 (the bf16 dot form), 1 and 2 (`direct`); 192 act rows (tasks of
+    128 and 64, 6- and 8-row kernels and a 2-row tail); decompression in steps of 64 (groups of
+    128, 96) and 32 (groups of 32, 64)."""
     rng = np.random.default_rng(17)
-    counts = [3, 10, 11, 15, 16, 17, 43, 1, 2]
+    counts = [3, 10, 11, 15, 16, 17, 24, 43, 56, 1, 2]
     idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
     check = functools.partial(_check_u4_experts, idx=idx, skip=0, scale_type=np.float16, experts=len(counts),
                               hidden=640, width=192, groups=groups, nibbles=nibbles, bf16=True, int8=True)

@@ -247,9 +247,9 @@ inline void run(const float* w, size_t n, size_t kn, const float* xT, size_t ldx
 }
 
 // Calls block(C, V, v) (C and V as std::integral_constant) over vecs token vectors in register
-// blocks: C weight rows x V vectors from vector v; 4 x 3 for a run of 3 vectors, 6 x 1 for a last
-// single one, else 6 x 2. Shared by the f32 tiles and the bf16 ones (u4_experts_bf16.hpp).
-template <typename Block>
+// blocks: C weight rows x V vectors from vector v; 4 x 3 for a run of 3 vectors, Single x 1 for a
+// last single one, else Pair x 2. Shared by the f32 tiles and the bf16 and int8 ones.
+template <int Pair = 6, int Single = 6, typename Block>
 inline void token_blocks(size_t vecs, Block&& block) {
     using std::integral_constant;
     for (size_t v = 0; v < vecs;) {
@@ -258,10 +258,10 @@ inline void token_blocks(size_t vecs, Block&& block) {
             block(integral_constant<int, 4>{}, integral_constant<int, 3>{}, v);
             v += 3;
         } else if (left == 1) {
-            block(integral_constant<int, 6>{}, integral_constant<int, 1>{}, v);
+            block(integral_constant<int, Single>{}, integral_constant<int, 1>{}, v);
             v += 1;
         } else {
-            block(integral_constant<int, 6>{}, integral_constant<int, 2>{}, v);
+            block(integral_constant<int, Pair>{}, integral_constant<int, 2>{}, v);
             v += 2;
         }
     }
@@ -659,11 +659,12 @@ public:
                 // splits' tiles: inputs in multiples of 16, whole dot vectors) or dot_tokens (bf16
                 // tiles: an expert of fewer tokens than a vector takes the dot form alone)
                 // (int8 tiles: no dot-form tail, which would need a bf16 tile of the same rows too)
+                // (int8 tiles: columns padded to int8::kPad, a last vector of 8 tokens in a ymm)
                 const bool dot = bf ? m % pad <= dot_tokens && (!i8 || m < pad) : split && m % pad <= kDotTail;
+                q8[e] = i8 && !dot;
                 rem[e] = dot ? m % pad : 0;
-                lanes[e] = dot ? m - rem[e] : (m + pad - 1) / pad * pad;
+                lanes[e] = dot ? m - rem[e] : q8[e] ? int8::padded(m) : (m + pad - 1) / pad * pad;
                 ld[e] = lanes[e] + rem[e];
-                q8[e] = i8 && lanes[e] > 0;
             }
             aoff[e + 1] = aoff[e] + I * (m > kDirect ? ld[e] : m);
             roff[e + 1] = roff[e] + rem[e];
@@ -777,8 +778,8 @@ public:
                         held_expert = e;
                     }
                     const auto* xq = reinterpret_cast<const int32_t*>(xT.data());
-                    int8::products(gate, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8, g.data(), n);
-                    int8::products(up, e, r0, nr, xq, esa.data(), eS.data(), nl, nl / 16, tile8, u.data(), n);
+                    int8::products(gate, e, r0, nr, xq, esa.data(), eS.data(), nl, nl, tile8, g.data(), n);
+                    int8::products(up, e, r0, nr, xq, esa.data(), eS.data(), nl, nl, tile8, u.data(), n);
                 } else if (bf) {  // the rows as bf16; a row's input pairs are 32-bit words, transposed like f32
                     const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
                     const bool f = fused(fuse1, e);
@@ -897,7 +898,7 @@ public:
                     const size_t n = ld[e];
                     if (q8[e]) {
                         int8::products(down, e, c0, nc, act8 + aoff[e] / 4, asa + aoff[e] / int8::kGroup, aS + aoff[e] / down.group, n,
-                                       lanes[e] / 16, tile8, out.data(), n);
+                                       lanes[e], tile8, out.data(), n);
                     } else if (bf) {
                         for (size_t j = 0; j < rem[e]; ++j)
                             xr[j] = actr + (roff[e] + j) * I;

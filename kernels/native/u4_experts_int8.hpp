@@ -12,8 +12,8 @@
 // so the zero point never meets the integer products: each activation group's int32 sum is
 // scaled once (s_G w_s), and S_g (per token, computed with the activations) once per weight group.
 // The integer sums are exact; the f32 sums run in a fixed order. Only the lane form: an expert's
-// tokens padded to a multiple of 16 (zero columns: zero products, zero S); the dot and fused forms
-// (experts of fewer than 16 tokens) keep their bf16 products.
+// tokens padded to a multiple of 8 (kPad; zero columns: zero products, zero S); the dot and fused
+// forms (experts of at most bf16::kDotTokens tokens) keep their bf16 products.
 #pragma once
 
 #include <immintrin.h>
@@ -30,6 +30,11 @@ namespace experts {
 namespace int8 {
 
 constexpr size_t kGroup = 32;  // inputs per activation scale (the plugin's dynamic quantization group)
+
+// The lane form's columns: whole vectors of 16 tokens (zmm), then one of 8 (ymm, `Ymm`) when at
+// most 8 tokens are left.
+constexpr size_t kPad = 8;
+inline size_t padded(size_t m) { return (m + kPad - 1) / kPad * kPad; }
 
 inline bool supported() {
     static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -58,7 +63,7 @@ IQ36_INT8 inline void quantize_row(const float* x, size_t n, size_t group, int8_
 }
 
 // Token columns (a: K x ld floats, K a multiple of kGroup) as int8 per kGroup rows of each column,
-// for t < cols (a multiple of 16): q[(k / 4) * ld + t] holds rows k .. k + 3 of column t (a byte
+// for t < cols (a multiple of kPad): q[(k / 4) * ld + t] holds rows k .. k + 3 of column t (a byte
 // each, k's lowest), s[(k / kGroup) * ld + t] the group's scale, P[(k / kGroup) * ld + t] = s_G *
 // sum_{k in G} q_k (summed into S per weight group by `sum_groups`).
 IQ36_INT8 inline void quantize_columns(const float* a, size_t K, size_t ld, size_t cols, int32_t* q, float* s, float* P) {
@@ -66,24 +71,25 @@ IQ36_INT8 inline void quantize_columns(const float* a, size_t K, size_t ld, size
     const __m512i byte = _mm512_set1_epi32(0xFF);
     for (size_t k0 = 0; k0 < K; k0 += kGroup)
         for (size_t t = 0; t < cols; t += 16) {
+            const __mmask16 in = cols - t >= 16 ? 0xFFFF : 0x00FF;  // a last ymm vector's 8 columns
             __m512 amax = _mm512_setzero_ps();
             for (size_t k = k0; k < k0 + kGroup; ++k)
-                amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_loadu_ps(a + k * ld + t)));
+                amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_maskz_loadu_ps(in, a + k * ld + t)));
             const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
             const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax);
             __m512i sum = _mm512_setzero_si512();
             for (size_t k = k0; k < k0 + kGroup; k += 4) {
                 __m512i word = _mm512_setzero_si512();
                 for (int i = 0; i < 4; ++i) {
-                    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(a + (k + i) * ld + t), inv));
+                    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, a + (k + i) * ld + t), inv));
                     sum = _mm512_add_epi32(sum, v);
                     word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(v, byte), 8 * i));
                 }
-                _mm512_storeu_si512(q + (k / 4) * ld + t, word);
+                _mm512_mask_storeu_epi32(q + (k / 4) * ld + t, in, word);
             }
             const __m512 sc = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
-            _mm512_storeu_ps(s + (k0 / kGroup) * ld + t, sc);
-            _mm512_storeu_ps(P + (k0 / kGroup) * ld + t, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(sum)));
+            _mm512_mask_storeu_ps(s + (k0 / kGroup) * ld + t, in, sc);
+            _mm512_mask_storeu_ps(P + (k0 / kGroup) * ld + t, in, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(sum)));
         }
 }
 
@@ -142,89 +148,134 @@ IQ36_INT8 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n,
     }
 }
 
-// o[c][v * 16 ..] (+)= the products of C weight rows (ldw apart, bytes) with V vectors of 16
-// tokens: xq holds the tokens' int8 inputs four to a lane (ldx lanes apart per input quad), sa
-// their scales per kGroup inputs and S their sums per weight group (both ldx apart); sw / zs the
-// rows' scales and scale x zero point per weight group (lds apart). Registers: 2 C V accumulators
-// (a kGroup's int32 sums, the f32 totals), V token vectors, V scales and a broadcast.
-// V vectors of 16 tokens' floats from p.
-template <int V>
-IQ36_INT8 inline void lanes_of(const float* p, __m512 (&out)[V]) {
+// The lane form's token vectors: 16 tokens in a zmm, or 8 in a ymm for an expert's last tokens
+// when at most 8 are past its whole zmm vectors (kPad: at ~32 tokens an expert, with columns padded
+// to 16 a fifth of the lanes were padding, with 8 a tenth). A ymm vpdpbusd takes half the
+// multiply-adds of a zmm one, which on a CPU whose 512-bit units are two 256-bit ones (Zen 4)
+// costs it half the time.
+struct Zmm {
+    using F = __m512;
+    using I = __m512i;
+    static constexpr size_t kLanes = 16;
+    IQ36_INT8 static F zero() { return _mm512_setzero_ps(); }
+    IQ36_INT8 static I zero_i() { return _mm512_setzero_si512(); }
+    IQ36_INT8 static F load(const float* p) { return _mm512_loadu_ps(p); }
+    IQ36_INT8 static I load(const int32_t* p) { return _mm512_loadu_si512(p); }
+    IQ36_INT8 static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    IQ36_INT8 static F set1(float v) { return _mm512_set1_ps(v); }
+    IQ36_INT8 static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+    IQ36_INT8 static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+    IQ36_INT8 static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+    IQ36_INT8 static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    IQ36_INT8 static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    IQ36_INT8 static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+};
+
+struct Ymm {
+    using F = __m256;
+    using I = __m256i;
+    static constexpr size_t kLanes = 8;
+    IQ36_INT8 static F zero() { return _mm256_setzero_ps(); }
+    IQ36_INT8 static I zero_i() { return _mm256_setzero_si256(); }
+    IQ36_INT8 static F load(const float* p) { return _mm256_loadu_ps(p); }
+    IQ36_INT8 static I load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    IQ36_INT8 static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    IQ36_INT8 static F set1(float v) { return _mm256_set1_ps(v); }
+    IQ36_INT8 static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+    IQ36_INT8 static I dpbusd(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
+    IQ36_INT8 static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+    IQ36_INT8 static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    IQ36_INT8 static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    IQ36_INT8 static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+};
+
+// V vectors of Vec's lanes of floats from p.
+template <class Vec, int V>
+IQ36_INT8 inline void lanes_of(const float* p, typename Vec::F (&out)[V]) {
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v)
-        out[v] = _mm512_loadu_ps(p + v * 16);
+        out[v] = Vec::load(p + v * Vec::kLanes);
 }
 
-template <int C, int V>
+// o[c][v * L ..] (+)= the products of C weight rows (ldw apart, bytes) with V vectors of L tokens
+// (L = Vec::kLanes): xq holds the tokens' int8 inputs four to a lane (ldx lanes apart per input
+// quad), sa their scales per kGroup inputs and S their sums per weight group (both ldx apart); sw /
+// zs the rows' scales and scale x zero point per weight group (lds apart). Registers: 2 C V
+// accumulators (a kGroup's int32 sums, the f32 totals), V token vectors, V scales and a broadcast.
+template <class Vec, int C, int V>
 IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t lds, size_t group,
                              const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* o, size_t ldo,
                              bool add) {
-    __m512 acc[C][V];
+    constexpr size_t L = Vec::kLanes;
+    typename Vec::F acc[C][V];
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v)
-            acc[c][v] = add ? _mm512_loadu_ps(o + c * ldo + v * 16) : _mm512_setzero_ps();
+            acc[c][v] = add ? Vec::load(o + c * ldo + v * L) : Vec::zero();
     for (size_t g0 = 0; g0 < kn; g0 += group) {
         for (size_t h = g0; h < g0 + group; h += kGroup) {
-            __m512i ga[C][V];
+            typename Vec::I ga[C][V];
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c)
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v)
-                    ga[c][v] = _mm512_setzero_si512();
+                    ga[c][v] = Vec::zero_i();
 #pragma GCC unroll 8
             for (size_t k = h; k < h + kGroup; k += 4) {
-                __m512i xv[V];
+                typename Vec::I xv[V];
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v)
-                    xv[v] = _mm512_loadu_si512(xq + (k / 4) * ldx + v * 16);
+                    xv[v] = Vec::load(xq + (k / 4) * ldx + v * L);
 #pragma GCC unroll 8
                 for (int c = 0; c < C; ++c) {
                     int32_t quad;
                     std::memcpy(&quad, w + c * ldw + k, 4);
-                    const __m512i wb = _mm512_set1_epi32(quad);
+                    const typename Vec::I wb = Vec::set1(quad);
 #pragma GCC unroll 8
                     for (int v = 0; v < V; ++v)
-                        ga[c][v] = _mm512_dpbusd_epi32(ga[c][v], wb, xv[v]);
+                        ga[c][v] = Vec::dpbusd(ga[c][v], wb, xv[v]);
                 }
             }
-            __m512 sv[V];
-            lanes_of<V>(sa + (h / kGroup) * ldx, sv);
+            typename Vec::F sv[V];
+            lanes_of<Vec, V>(sa + (h / kGroup) * ldx, sv);
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) {
-                const __m512 sc = _mm512_set1_ps(sw[c * lds + g0 / group]);
+                const typename Vec::F sc = Vec::set1(sw[c * lds + g0 / group]);
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v)
-                    acc[c][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ga[c][v]), _mm512_mul_ps(sv[v], sc), acc[c][v]);
+                    acc[c][v] = Vec::fmadd(Vec::to_float(ga[c][v]), Vec::mul(sv[v], sc), acc[c][v]);
             }
         }
-        __m512 sg[V];
-        lanes_of<V>(S + (g0 / group) * ldx, sg);
+        typename Vec::F sg[V];
+        lanes_of<Vec, V>(S + (g0 / group) * ldx, sg);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
-            const __m512 zc = _mm512_set1_ps(zs[c * lds + g0 / group]);
+            const typename Vec::F zc = Vec::set1(zs[c * lds + g0 / group]);
 #pragma GCC unroll 8
             for (int v = 0; v < V; ++v)
-                acc[c][v] = _mm512_fnmadd_ps(zc, sg[v], acc[c][v]);
+                acc[c][v] = Vec::fnmadd(zc, sg[v], acc[c][v]);
         }
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v)
-            _mm512_storeu_ps(o + c * ldo + v * 16, acc[c][v]);
+            Vec::store(o + c * ldo + v * L, acc[c][v]);
 }
 
-template <int C, int V>
+template <class Vec, int C, int V>
 IQ36_INT8 inline void run(const uint8_t* w, const float* sw, const float* zs, size_t gn, size_t group, size_t n, size_t kn,
                           const int32_t* xq, const float* sa, const float* S, size_t ldx, float* o, size_t ldo, bool add) {
     size_t c = 0;
     for (; c + C <= n; c += C)
-        kernel<C, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
+        kernel<Vec, C, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
     for (; c < n; ++c)
-        kernel<1, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
+        kernel<Vec, 1, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
 }
+
+// Weight rows per ymm block: 8 (E = 256, 513 tokens: 4 rows 3% slower, 12 and 16 rows 18-24%).
+constexpr int kYmmRows = 8;
 
 // Inputs per pass: experts::slice_of's rule for tiles of one byte per weight.
 inline size_t slice_of(const Packed& m) { return experts::slice_of(m, 1); }
@@ -242,11 +293,11 @@ struct Tile {
     }
 };
 
-// o[c][t] = dot(row r0 + c of expert e, token t) for c < n, t < vecs * 16: the token columns xq
-// (K / 4 x ldx lanes), their scales sa (K / kGroup x ldx) and sums S (K / m.group x ldx); the
-// weights decompressed one slice at a time into `tile` (fit for at least n rows of m).
+// o[c][t] = dot(row r0 + c of expert e, token t) for c < n, t < cols (a multiple of kPad): the
+// token columns xq (K / 4 x ldx lanes), their scales sa (K / kGroup x ldx) and sums S (K / m.group
+// x ldx); the weights decompressed one slice at a time into `tile` (fit for at least n rows of m).
 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32_t* xq, const float* sa, const float* S,
-                     size_t ldx, size_t vecs, Tile& tile, float* o, size_t ldo) {
+                     size_t ldx, size_t cols, Tile& tile, float* o, size_t ldo) {
     const size_t K = m.in(), ks = slice_of(m);
     uint8_t* w = tile.w.data();
     float* sw = tile.sw.data();
@@ -254,11 +305,16 @@ inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0), gn = kn / m.group;
         decompress(m, e, r0, n, k0, kn, w, sw, zs);
-        token_blocks(vecs, [&](auto c, auto vs, size_t v) {
-            run<decltype(c)::value, decltype(vs)::value>(w, sw, zs, gn, m.group, n, kn, xq + (k0 / 4) * ldx + v * 16,
-                                                         sa + (k0 / kGroup) * ldx + v * 16, S + (k0 / m.group) * ldx + v * 16,
-                                                         ldx, o + v * 16, ldo, k0 > 0);
-        });
+        const auto block = [&](auto vec, auto c, auto vs, size_t t) {
+            run<decltype(vec), decltype(c)::value, decltype(vs)::value>(w, sw, zs, gn, m.group, n, kn, xq + (k0 / 4) * ldx + t,
+                                                                        sa + (k0 / kGroup) * ldx + t, S + (k0 / m.group) * ldx + t,
+                                                                        ldx, o + t, ldo, k0 > 0);
+        };
+        // weight rows per block of 2 and of 1 zmm vectors: 4 and 8, which divide the tasks' 128 rows
+        // (the bf16 tiles' 6 left two rows to single-row kernels: the op 2-3% slower at 1024 tokens)
+        token_blocks<4, 8>(cols / Zmm::kLanes, [&](auto c, auto vs, size_t v) { block(Zmm{}, c, vs, v * Zmm::kLanes); });
+        if (cols % Zmm::kLanes != 0)
+            block(Ymm{}, std::integral_constant<int, kYmmRows>{}, std::integral_constant<int, 1>{}, cols / Zmm::kLanes * Zmm::kLanes);
     }
 }
 
@@ -300,7 +356,7 @@ struct QuantizedRows {
 
 // A compressed dense matmul's rows on these tiles, for Q16Linear's `tile_rows` with `tile_int8`:
 // y [M, N] = x [M, K] . W^T, W's N rows taken as one expert's and x's M rows as its tokens, in the
-// lane form (padded to a vector of 16), as bf16::dense does on the bf16 tiles. What it is for: a
+// lane form (padded to kPad), as bf16::dense does on the bf16 tiles. What it is for: a
 // prefill chunk's last rows past the plugin's row blocks (kernels/q16_decode.py: TAIL_ROWS) in a
 // model whose plugin quantizes these matmuls' activations to int8 per 32 inputs itself. False,
 // computing nothing, where the tiles do not apply (no AVX512-VNNI, u8 weights, groups or K not
@@ -310,7 +366,7 @@ inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y) {
     if (!supported() || !W.w4 || W.K % kGroup != 0 || W.group % kGroup != 0 || M <= bf16::kDotTokens)
         return false;
     const Packed m{W.w, W.z, W.w4, W.z4, W.s, W.s16, W.N, W.K / W.group, W.group};
-    const size_t K = W.K, lanes = (M + 15) / 16 * 16;
+    const size_t K = W.K, lanes = padded(M);
     QuantizedRows rows(x, M, K, W.group);
     Scratch<float> xT_buffer(K / 4 * lanes);
     std::vector<float> sa(rows.gs * lanes), S(rows.gw * lanes);
@@ -319,7 +375,7 @@ inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y) {
     dense_tasks(m, W.N, M, lanes, y, [&](size_t r0, size_t n, float* o) {
         thread_local Tile tile;
         tile.fit(m, kGateRows);
-        products(m, 0, r0, n, xq, sa.data(), S.data(), lanes, lanes / 16, tile, o, lanes);
+        products(m, 0, r0, n, xq, sa.data(), S.data(), lanes, lanes, tile, o, lanes);
     });
     return true;
 }
