@@ -247,15 +247,15 @@ inline void run(const float* w, size_t n, size_t kn, const float* xT, size_t ldx
 }
 
 // Calls block(C, V, v) (C and V as std::integral_constant) over vecs token vectors in register
-// blocks: C weight rows x V vectors from vector v; 4 x 3 for a run of 3 vectors, Single x 1 for a
-// last single one, else Pair x 2. Shared by the f32 tiles and the bf16 and int8 ones.
-template <int Pair = 6, int Single = 6, typename Block>
+// blocks: C weight rows x V vectors from vector v; Triple x 3 for a run of 3 vectors, Single x 1
+// for a last single one, else Pair x 2. Shared by the f32 tiles and the bf16 and int8 ones.
+template <int Pair = 6, int Single = 6, int Triple = 4, typename Block>
 inline void token_blocks(size_t vecs, Block&& block) {
     using std::integral_constant;
     for (size_t v = 0; v < vecs;) {
         const size_t left = vecs - v;
         if (left == 3) {
-            block(integral_constant<int, 4>{}, integral_constant<int, 3>{}, v);
+            block(integral_constant<int, Triple>{}, integral_constant<int, 3>{}, v);
             v += 3;
         } else if (left == 1) {
             block(integral_constant<int, Single>{}, integral_constant<int, 1>{}, v);

@@ -2,10 +2,11 @@
 // whose CPU plugin quantizes the activations of its own compressed matmuls to int8 (its dynamic
 // quantization, per 32 inputs: its default where it runs the model in bf16): the `int8` attribute.
 //
-// What changes against the bf16 tiles (u4_experts_bf16.hpp): the tile holds the weights q as bytes
-// (0..15, the nibbles unpacked; no table), the activations are int8 per kGroup inputs (a = s_G *
-// a8, s_G = max |a| / 127 over the group, a8 rounded to nearest even), and one zmm vpdpbusd takes
-// four inputs of 16 tokens: twice vdpbf16ps' multiply-adds per instruction. Per weight row r and
+// What changes against the bf16 tiles (u4_experts_bf16.hpp): the kernels read the weights q where
+// the model holds them, packed u4 (a mask and a shift per 8 weights, kInputOrder; no tile, no
+// table), the activations are int8 per kGroup inputs (a = s_G * a8, s_G = max |a| / 127 over the
+// group, a8 rounded to nearest even), and one zmm vpdpbusd takes four inputs of 16 tokens: twice
+// vdpbf16ps' multiply-adds per instruction. Per weight row r and
 // weight group g (scale w_s, zero point z):
 //   sum_k (q_k - z) w_s a_k = w_s sum_G s_G (sum_{k in G} q_k a8_k) - w_s z S_g,
 //   S_g = sum_{G in g} s_G sum_{k in G} a8_k,
@@ -42,18 +43,27 @@ inline bool supported() {
     return yes;
 }
 
-// A row of n floats (n a multiple of kGroup) as int8 per kGroup inputs: q (n bytes), s (n / kGroup
-// scales) and, per weight group of `group` inputs (a multiple of kGroup), S[g] = sum_G s_G sum_k q_k.
+// The lane form's input order: within each 8 inputs the even ones, then the odd ones. A packed
+// weight byte holds an even input's q in its low nibble and the next one's in its high nibble, so
+// four packed bytes (8 weights) are two words of four weights by one mask and one shift, each
+// against one word of four inputs of a token (the bytes in this order), and the kernels read the
+// weights as the model holds them, with no tile to unpack them into.
+constexpr int kInputOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// A row of n floats (n a multiple of kGroup) as int8 per kGroup inputs: q (n bytes, each 8 in
+// kInputOrder), s (n / kGroup scales) and, per weight group of `group` inputs (a multiple of kGroup),
+// S[g] = sum_G s_G sum_k q_k.
 IQ36_INT8 inline void quantize_row(const float* x, size_t n, size_t group, int8_t* q, float* s, float* S) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);  // kInputOrder
     for (size_t g = 0; g < n / group; ++g)
         S[g] = 0.0f;
     for (size_t k = 0; k < n; k += kGroup) {
         const __m512 a = _mm512_loadu_ps(x + k), b = _mm512_loadu_ps(x + k + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        const __m512i qa = _mm512_permutexvar_epi32(order, _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))));
+        const __m512i qb = _mm512_permutexvar_epi32(order, _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k + 16), _mm512_cvtsepi32_epi8(qb));
         const float sk = amax / 127.0f;
@@ -63,8 +73,8 @@ IQ36_INT8 inline void quantize_row(const float* x, size_t n, size_t group, int8_
 }
 
 // Token columns (a: K x ld floats, K a multiple of kGroup) as int8 per kGroup rows of each column,
-// for t < cols (a multiple of kPad): q[(k / 4) * ld + t] holds rows k .. k + 3 of column t (a byte
-// each, k's lowest), s[(k / kGroup) * ld + t] the group's scale, P[(k / kGroup) * ld + t] = s_G *
+// for t < cols (a multiple of kPad): q[(k / 4) * ld + t] holds four rows of column t, a byte each
+// (rows k .. k + 3 of the rows in kInputOrder, the first lowest), s[(k / kGroup) * ld + t] the group's scale, P[(k / kGroup) * ld + t] = s_G *
 // sum_{k in G} q_k (summed into S per weight group by `sum_groups`).
 IQ36_INT8 inline void quantize_columns(const float* a, size_t K, size_t ld, size_t cols, int32_t* q, float* s, float* P) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -81,7 +91,8 @@ IQ36_INT8 inline void quantize_columns(const float* a, size_t K, size_t ld, size
             for (size_t k = k0; k < k0 + kGroup; k += 4) {
                 __m512i word = _mm512_setzero_si512();
                 for (int i = 0; i < 4; ++i) {
-                    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, a + (k + i) * ld + t), inv));
+                    const size_t row = k / 8 * 8 + kInputOrder[k % 8 + i];
+                    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, a + row * ld + t), inv));
                     sum = _mm512_add_epi32(sum, v);
                     word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(v, byte), 8 * i));
                 }
@@ -106,44 +117,25 @@ inline void sum_groups(const float* P, size_t K, size_t group, size_t ld, size_t
         }
 }
 
-// Rows [r0, r0 + n) of expert e, inputs [k0, k0 + kn) (whole groups): q as bytes into w (n x kn,
-// the inputs in order), the group's scale into sw and scale x zero point into zs (n x kn / group).
-IQ36_INT8 inline void decompress(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, uint8_t* w, float* sw,
-                                 float* zs) {
+// Rows [r0, r0 + n) of expert e, inputs [k0, k0 + kn) (whole groups): the group's scale into sw
+// and scale x zero point into zs (n x kn / group); u8 weights (one byte each) also their q into w
+// (n x kn, each 8 in kInputOrder). Packed u4 weights need no copy: the kernels read them in place.
+IQ36_INT8 inline void prepare(const Packed& m, size_t e, size_t r0, size_t n, size_t k0, size_t kn, uint8_t* w, float* sw,
+                              float* zs) {
     const size_t group = m.group, groups = m.groups;  // locals: the stores below may alias m
     const size_t g0 = k0 / group, g1 = (k0 + kn) / group, gn = g1 - g0;
-    const __m512i low = _mm512_set1_epi16(0x000F), high = _mm512_set1_epi16(0x0F00);
-    const __m128i nib = _mm_set1_epi8(0x0F);
     for (size_t r = 0; r < n; ++r) {
         const size_t row = e * m.out + r0 + r;
-        uint8_t* out = w + r * kn;
         for (size_t g = g0; g < g1; ++g) {
             const size_t gi = row * groups + g;
             const float scale = m.scale(gi);
             sw[r * gn + g - g0] = scale;
             zs[r * gn + g - g0] = scale * static_cast<float>(value(m.z, gi, m.z4));
-            uint8_t* o = out + (g - g0) * group;
-            size_t j = 0;
-            if (m.w4) {
-                const uint8_t* src = m.w + (gi * group >> 1);
-                for (size_t line = 0; line < group / 2; line += 64)  // the row's next slice, as the bf16 tiles do
-                    _mm_prefetch(reinterpret_cast<const char*>(src + kn / 2 + line), _MM_HINT_T0);
-                // 64 weights per step: byte b as a word, low nibble in its low byte, high in its high
-                for (; j + 64 <= group; j += 64) {
-                    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j / 2)));
-                    _mm512_storeu_si512(o + j, _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(b, 4), high)));
-                }
-                for (; j + 32 <= group; j += 32) {
-                    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j / 2));
-                    const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-                    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + j), _mm_unpacklo_epi8(lo, hi));
-                    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + j + 16), _mm_unpackhi_epi8(lo, hi));
-                }
-                for (; j < group; ++j)
-                    o[j] = value(m.w, gi * group + j, true);
-            } else {
-                std::memcpy(o, m.w + gi * group, group);
-            }
+        }
+        if (!m.w4) {
+            const uint8_t* src = m.w + row * m.in() + k0;
+            for (size_t j = 0; j < kn; ++j)
+                w[r * kn + j] = src[j / 8 * 8 + kInputOrder[j % 8]];
         }
     }
 }
@@ -165,6 +157,8 @@ struct Zmm {
     IQ36_INT8 static F set1(float v) { return _mm512_set1_ps(v); }
     IQ36_INT8 static I set1(int32_t v) { return _mm512_set1_epi32(v); }
     IQ36_INT8 static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+    IQ36_INT8 static I nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+    IQ36_INT8 static I high_nibbles(I v) { return nibbles(_mm512_srli_epi32(v, 4)); }
     IQ36_INT8 static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
     IQ36_INT8 static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
     IQ36_INT8 static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -183,6 +177,8 @@ struct Ymm {
     IQ36_INT8 static F set1(float v) { return _mm256_set1_ps(v); }
     IQ36_INT8 static I set1(int32_t v) { return _mm256_set1_epi32(v); }
     IQ36_INT8 static I dpbusd(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
+    IQ36_INT8 static I nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+    IQ36_INT8 static I high_nibbles(I v) { return nibbles(_mm256_srli_epi32(v, 4)); }
     IQ36_INT8 static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
     IQ36_INT8 static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     IQ36_INT8 static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -197,15 +193,17 @@ IQ36_INT8 inline void lanes_of(const float* p, typename Vec::F (&out)[V]) {
         out[v] = Vec::load(p + v * Vec::kLanes);
 }
 
-// o[c][v * L ..] (+)= the products of C weight rows (ldw apart, bytes) with V vectors of L tokens
-// (L = Vec::kLanes): xq holds the tokens' int8 inputs four to a lane (ldx lanes apart per input
-// quad), sa their scales per kGroup inputs and S their sums per weight group (both ldx apart); sw /
-// zs the rows' scales and scale x zero point per weight group (lds apart). Registers: 2 C V
-// accumulators (a kGroup's int32 sums, the f32 totals), V token vectors, V scales and a broadcast.
-template <class Vec, int C, int V>
+// o[c][v * L ..] (+)= the products of C weight rows with V vectors of L tokens (L = Vec::kLanes):
+// the rows' q as packed u4 bytes in the model's order (Nib; ldw bytes apart, two weights a byte) or
+// as bytes in kInputOrder (ldw apart); xq holds the tokens' int8 inputs four to a lane (ldx lanes
+// apart per input quad, in kInputOrder), sa their scales per kGroup inputs and S their sums per
+// weight group (both ldx apart); sw / zs the rows' scales and scale x zero point per weight group
+// (lds apart). Registers: 2 C V accumulators (a kGroup's int32 sums, the f32 totals), 2 V token
+// vectors, V scales and the weight words.
+template <class Vec, int C, int V, bool Nib>
 IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t lds, size_t group,
                              const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* o, size_t ldo,
-                             bool add) {
+                             bool add, const char* ahead) {
     constexpr size_t L = Vec::kLanes;
     typename Vec::F acc[C][V];
 #pragma GCC unroll 8
@@ -215,6 +213,9 @@ IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, cons
             acc[c][v] = add ? Vec::load(o + c * ldo + v * L) : Vec::zero();
     for (size_t g0 = 0; g0 < kn; g0 += group) {
         for (size_t h = g0; h < g0 + group; h += kGroup) {
+            if (ahead)  // the next C rows' bytes, spread over this block's steps (C kGroup / 2 per step)
+                for (size_t l = 0; l < C * kGroup / 2; l += 64)
+                    _mm_prefetch(ahead + h / kGroup * (C * kGroup / 2) + l, _MM_HINT_T0);
             typename Vec::I ga[C][V];
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c)
@@ -222,19 +223,31 @@ IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, cons
                 for (int v = 0; v < V; ++v)
                     ga[c][v] = Vec::zero_i();
 #pragma GCC unroll 8
-            for (size_t k = h; k < h + kGroup; k += 4) {
-                typename Vec::I xv[V];
+            for (size_t k = h; k < h + kGroup; k += 8) {  // 8 inputs: the even ones' word, the odd ones'
+                typename Vec::I even[V], odd[V];
 #pragma GCC unroll 8
-                for (int v = 0; v < V; ++v)
-                    xv[v] = Vec::load(xq + (k / 4) * ldx + v * L);
+                for (int v = 0; v < V; ++v) {
+                    even[v] = Vec::load(xq + (k / 4) * ldx + v * L);
+                    odd[v] = Vec::load(xq + (k / 4 + 1) * ldx + v * L);
+                }
 #pragma GCC unroll 8
                 for (int c = 0; c < C; ++c) {
-                    int32_t quad;
-                    std::memcpy(&quad, w + c * ldw + k, 4);
-                    const typename Vec::I wb = Vec::set1(quad);
+                    typename Vec::I we, wo;
+                    if constexpr (Nib) {
+                        int32_t packed;
+                        std::memcpy(&packed, w + c * ldw + k / 2, 4);
+                        const typename Vec::I b = Vec::set1(packed);
+                        we = Vec::nibbles(b);
+                        wo = Vec::high_nibbles(b);
+                    } else {
+                        int32_t q[2];
+                        std::memcpy(q, w + c * ldw + k, 8);
+                        we = Vec::set1(q[0]);
+                        wo = Vec::set1(q[1]);
+                    }
 #pragma GCC unroll 8
                     for (int v = 0; v < V; ++v)
-                        ga[c][v] = Vec::dpbusd(ga[c][v], wb, xv[v]);
+                        ga[c][v] = Vec::dpbusd(Vec::dpbusd(ga[c][v], we, even[v]), wo, odd[v]);
                 }
             }
             typename Vec::F sv[V];
@@ -264,30 +277,37 @@ IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, cons
             Vec::store(o + c * ldo + v * L, acc[c][v]);
 }
 
-template <class Vec, int C, int V>
-IQ36_INT8 inline void run(const uint8_t* w, const float* sw, const float* zs, size_t gn, size_t group, size_t n, size_t kn,
-                          const int32_t* xq, const float* sa, const float* S, size_t ldx, float* o, size_t ldo, bool add) {
+template <class Vec, int C, int V, bool Nib>
+IQ36_INT8 inline void run(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t gn, size_t group, size_t n,
+                          size_t kn, const int32_t* xq, const float* sa, const float* S, size_t ldx, float* o, size_t ldo, bool add,
+                          bool ahead) {
+    const auto next = [&](size_t c, size_t rows) {  // whole packed rows only (ldw == kn / 2)
+        return Nib && ahead && ldw * 2 == kn ? reinterpret_cast<const char*>(w + (c + rows) * ldw) : nullptr;
+    };
     size_t c = 0;
     for (; c + C <= n; c += C)
-        kernel<Vec, C, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
+        kernel<Vec, C, V, Nib>(w + c * ldw, ldw, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add,
+                               next(c, C));
     for (; c < n; ++c)
-        kernel<Vec, 1, V>(w + c * kn, kn, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add);
+        kernel<Vec, 1, V, Nib>(w + c * ldw, ldw, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add,
+                               next(c, 1));
 }
 
-// Weight rows per ymm block: 8 (E = 256, 513 tokens: 4 rows 3% slower, 12 and 16 rows 18-24%).
+// Weight rows per ymm block: 8 (E = 256, 513 tokens, from an unpacked tile: 4 rows 3% slower, 12
+// and 16 rows 18-24%).
 constexpr int kYmmRows = 8;
 
 // Inputs per pass: experts::slice_of's rule for tiles of one byte per weight.
 inline size_t slice_of(const Packed& m) { return experts::slice_of(m, 1); }
 
-// A thread's tile: up to `rows` weight rows x slice_of(m) inputs as bytes, with their scales and
-// scale x zero points per group.
+// A thread's tile: the scales and scale x zero points per group of up to `rows` weight rows x
+// slice_of(m) inputs, and for u8 weights their q as bytes (`prepare`).
 struct Tile {
     AlignedVector<uint8_t> w;
     std::vector<float> sw, zs;
     void fit(const Packed& m, size_t rows) {
         const size_t ks = slice_of(m);
-        w.resize(rows * ks);
+        w.resize(m.w4 ? 0 : rows * ks);  // packed u4 weights are read in place
         sw.resize(rows * ks / m.group);
         zs.resize(rows * ks / m.group);
     }
@@ -295,24 +315,29 @@ struct Tile {
 
 // o[c][t] = dot(row r0 + c of expert e, token t) for c < n, t < cols (a multiple of kPad): the
 // token columns xq (K / 4 x ldx lanes), their scales sa (K / kGroup x ldx) and sums S (K / m.group
-// x ldx); the weights decompressed one slice at a time into `tile` (fit for at least n rows of m).
+// x ldx); the scales (and u8 weights' q) prepared one slice at a time into `tile` (fit for n rows of m).
 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32_t* xq, const float* sa, const float* S,
                      size_t ldx, size_t cols, Tile& tile, float* o, size_t ldo) {
     const size_t K = m.in(), ks = slice_of(m);
-    uint8_t* w = tile.w.data();
     float* sw = tile.sw.data();
     float* zs = tile.zs.data();
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0), gn = kn / m.group;
-        decompress(m, e, r0, n, k0, kn, w, sw, zs);
+        prepare(m, e, r0, n, k0, kn, tile.w.data(), sw, zs);
         const auto block = [&](auto vec, auto c, auto vs, size_t t) {
-            run<decltype(vec), decltype(c)::value, decltype(vs)::value>(w, sw, zs, gn, m.group, n, kn, xq + (k0 / 4) * ldx + t,
-                                                                        sa + (k0 / kGroup) * ldx + t, S + (k0 / m.group) * ldx + t,
-                                                                        ldx, o + t, ldo, k0 > 0);
+            constexpr int C = decltype(c)::value, V = decltype(vs)::value;
+            const int32_t* xs = xq + (k0 / 4) * ldx + t;
+            const float *ss = sa + (k0 / kGroup) * ldx + t, *Ss = S + (k0 / m.group) * ldx + t;
+            if (m.w4)
+                run<decltype(vec), C, V, true>(m.w + (e * m.out + r0) * (K / 2) + k0 / 2, K / 2, sw, zs, gn, m.group, n, kn, xs, ss,
+                                               Ss, ldx, o + t, ldo, k0 > 0, t == 0);
+            else
+                run<decltype(vec), C, V, false>(tile.w.data(), kn, sw, zs, gn, m.group, n, kn, xs, ss, Ss, ldx, o + t, ldo, k0 > 0, false);
         };
-        // weight rows per block of 2 and of 1 zmm vectors: 4 and 8, which divide the tasks' 128 rows
-        // (the bf16 tiles' 6 left two rows to single-row kernels: the op 2-3% slower at 1024 tokens)
-        token_blocks<4, 8>(cols / Zmm::kLanes, [&](auto c, auto vs, size_t v) { block(Zmm{}, c, vs, v * Zmm::kLanes); });
+        // weight rows per block of 2, 1 and 3 zmm vectors: 4, 8 and 2, which divide the tasks' 128
+        // rows (the bf16 tiles' 6 left two rows to single-row kernels: the op 2-3% slower at 1024
+        // tokens) and keep a block's registers within the 32 (2 C V accumulators, 2 V token vectors)
+        token_blocks<4, 8, 2>(cols / Zmm::kLanes, [&](auto c, auto vs, size_t v) { block(Zmm{}, c, vs, v * Zmm::kLanes); });
         if (cols % Zmm::kLanes != 0)
             block(Ymm{}, std::integral_constant<int, kYmmRows>{}, std::integral_constant<int, 1>{}, cols / Zmm::kLanes * Zmm::kLanes);
     }
