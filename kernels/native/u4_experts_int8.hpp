@@ -11,7 +11,8 @@
 //   sum_k (q_k - z) w_s a_k = w_s sum_G s_G (sum_{k in G} q_k a8_k) - w_s z S_g,
 //   S_g = sum_{G in g} s_G sum_{k in G} a8_k,
 // so the zero point never meets the integer products: each activation group's int32 sum is
-// scaled once (s_G w_s), and S_g (per token, computed with the activations) once per weight group.
+// scaled by s_G into the weight group's sum, which meets w_s once, as does S_g (per token,
+// computed with the activations) with w_s z.
 // The integer sums are exact; the f32 sums run in a fixed order. Only the lane form: an expert's
 // tokens padded to a multiple of 8 (kPad; zero columns: zero products, zero S); the dot and fused
 // forms (experts of at most bf16::kDotTokens tokens) keep their bf16 products.
@@ -198,20 +199,16 @@ IQ36_INT8 inline void lanes_of(const float* p, typename Vec::F (&out)[V]) {
 // as bytes in kInputOrder (ldw apart); xq holds the tokens' int8 inputs four to a lane (ldx lanes
 // apart per input quad, in kInputOrder), sa their scales per kGroup inputs and S their sums per
 // weight group (both ldx apart); sw / zs the rows' scales and scale x zero point per weight group
-// (lds apart). Registers: 2 C V accumulators (a kGroup's int32 sums, the f32 totals), 2 V token
-// vectors, V scales and the weight words.
+// (lds apart). Registers: 2 C V accumulators (a kGroup's int32 sums; the weight group's f32 sum,
+// which meets w_s and the zero point once per weight group, into o), 2 V token vectors, V scales
+// and the weight words.
 template <class Vec, int C, int V, bool Nib>
 IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t lds, size_t group,
                              const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* o, size_t ldo,
                              bool add, const char* ahead) {
     constexpr size_t L = Vec::kLanes;
-    typename Vec::F acc[C][V];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-#pragma GCC unroll 8
-        for (int v = 0; v < V; ++v)
-            acc[c][v] = add ? Vec::load(o + c * ldo + v * L) : Vec::zero();
     for (size_t g0 = 0; g0 < kn; g0 += group) {
+        typename Vec::F t[C][V];  // the weight group's sum_G s_G ga_G
         for (size_t h = g0; h < g0 + group; h += kGroup) {
             if (ahead)  // the next C rows' bytes, spread over this block's steps (C kGroup / 2 per step)
                 for (size_t l = 0; l < C * kGroup / 2; l += 64)
@@ -253,28 +250,27 @@ IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, cons
             typename Vec::F sv[V];
             lanes_of<Vec, V>(sa + (h / kGroup) * ldx, sv);
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) {
-                const typename Vec::F sc = Vec::set1(sw[c * lds + g0 / group]);
+            for (int c = 0; c < C; ++c)
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v)
-                    acc[c][v] = Vec::fmadd(Vec::to_float(ga[c][v]), Vec::mul(sv[v], sc), acc[c][v]);
-            }
+                    t[c][v] = h == g0 ? Vec::mul(Vec::to_float(ga[c][v]), sv[v]) : Vec::fmadd(Vec::to_float(ga[c][v]), sv[v], t[c][v]);
         }
+        // o (+)= w_s t - w_s z S_g: the totals in memory, once per weight group (in registers
+        // too they would need 3 C V of the 32)
         typename Vec::F sg[V];
         lanes_of<Vec, V>(S + (g0 / group) * ldx, sg);
+        const bool first = g0 == 0 && !add;
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
-            const typename Vec::F zc = Vec::set1(zs[c * lds + g0 / group]);
+            const typename Vec::F sc = Vec::set1(sw[c * lds + g0 / group]), zc = Vec::set1(zs[c * lds + g0 / group]);
 #pragma GCC unroll 8
-            for (int v = 0; v < V; ++v)
-                acc[c][v] = Vec::fnmadd(zc, sg[v], acc[c][v]);
+            for (int v = 0; v < V; ++v) {
+                float* out = o + c * ldo + v * L;
+                const typename Vec::F before = first ? Vec::zero() : Vec::load(out);
+                Vec::store(out, Vec::fnmadd(zc, sg[v], Vec::fmadd(t[c][v], sc, before)));
+            }
         }
     }
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-#pragma GCC unroll 8
-        for (int v = 0; v < V; ++v)
-            Vec::store(o + c * ldo + v * L, acc[c][v]);
 }
 
 template <class Vec, int C, int V, bool Nib>
