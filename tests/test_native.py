@@ -280,12 +280,12 @@ def test_u4_experts_bf16_groups_of_128(nibbles: bool) -> None:
 def test_u4_experts_int8_tiles(groups: tuple[int, int], nibbles: bool) -> None:
     """The `int8` tiles: experts of at least 11 tokens (the lane form, padded to a multiple of 8:
     vectors of 16, then one of 8 in a ymm) take x and their act rows as int8 per 32 inputs and the
-    weights q as bytes; the integer sums are exact, so the result is the float64 block on the
-    dequantized activations. Experts of 11, 15 (one padded vector), 16, 17 (a vector of 16 and a
-    padded one of 8), 24 (one of 16 and one of 8), 43 (three: the 4 x 3 register block), 56 (three
-    and one of 8) tokens; 3 and 10 (the bf16 dot form), 1 and 2 (`direct`); 192 act rows (tasks of
-    128 and 64, 6- and 8-row kernels and a 2-row tail); decompression in steps of 64 (groups of
-    128, 96) and 32 (groups of 32, 64)."""
+    weights q as they are (packed u4 read in place, u8 through a tile); the integer sums are exact,
+    so the result is the float64 block on the dequantized activations. Experts of 11, 15 (one
+    padded vector), 16, 17 (a vector of 16 and a padded one of 8), 24 (one of 16 and one of 8), 43
+    (three: the 2 x 3 register block), 56 (three and one of 8) tokens; 3 and 10 (the bf16 dot
+    form), 1 and 2 (`direct`); 192 act rows (tasks of 128 and 64); groups of 128 and 96, 32 and
+    64."""
     rng = np.random.default_rng(17)
     counts = [3, 10, 11, 15, 16, 17, 24, 43, 56, 1, 2]
     idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]

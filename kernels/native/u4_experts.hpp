@@ -658,8 +658,8 @@ public:
                 // the tokens past whole vectors in the dot form when at most kDotTail (f32 tiles;
                 // splits' tiles: inputs in multiples of 16, whole dot vectors) or dot_tokens (bf16
                 // tiles: an expert of fewer tokens than a vector takes the dot form alone)
-                // (int8 tiles: no dot-form tail, which would need a bf16 tile of the same rows too)
-                // (int8 tiles: columns padded to int8::kPad, a last vector of 8 tokens in a ymm)
+                // (int8 tiles: no dot-form tail, which would need a bf16 tile of the same rows too;
+                // columns padded to int8::kPad instead, a last vector of 8 tokens in a ymm)
                 const bool dot = bf ? m % pad <= dot_tokens && (!i8 || m < pad) : split && m % pad <= kDotTail;
                 q8[e] = i8 && !dot;
                 rem[e] = dot ? m % pad : 0;
