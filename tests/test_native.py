@@ -154,7 +154,7 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
                       hidden: int, width: int, groups: tuple[int, int], q16_rows: int = 0,
                       tol: float = 1e-5, nibbles: bool = False, bf16: bool = False,
                       round_act: bool | None = None, residual: bool = True, int8: bool = False,
-                      quantize: bool = True) -> np.ndarray:
+                      quantize: bool = True, few_int8: bool = True) -> np.ndarray:
     """Runs the op (with the `q16_rows` attribute; with `nibbles`, on the weights' packed bytes
     typed u8, as q16_decode hands them over) against float64 within `tol` of the scale; returns
     its output. `bf16`: the `bf16` attribute, with inputs that are bf16 values (as the plugin's
@@ -162,8 +162,9 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
     two rows (the tiled ones) to bf16, as the op does (unless `round_act` is False). `residual`:
     the attribute (False: the q16 rows' activations without their residual term). `int8`: the
     attribute too (with `bf16`); the reference quantizes x and the act rows of the experts of at
-    least 11 rows (the lane form's) to int8 per 32 inputs, as the op does (unless `quantize` is
-    False), and allows a few tokens' rows a quantization step apart."""
+    least 3 rows (the row form's up to 10, the lane form's from 11; with `few_int8` False, as with
+    IQ36_INT8_ROW_TOKENS=0, only the lane form's) to int8 per 32 inputs, as the op does (unless
+    `quantize` is False), and allows a few tokens' rows a quantization step apart."""
     import openvino as ov
     from openvino import opset15 as op
 
@@ -195,7 +196,8 @@ def _check_u4_experts(rng: np.random.Generator, idx: np.ndarray, skip: int, scal
     expected = np.zeros((tokens, hidden))
     xd = x.astype(np.float64)
     counts = np.bincount(idx[skip:].ravel(), minlength=experts)
-    tiled, lanes8 = counts > 2, (counts >= 11) if int8 and quantize else np.zeros(experts, bool)
+    tiled = counts > 2
+    lanes8 = (counts >= (3 if few_int8 else 11)) if int8 and quantize else np.zeros(experts, bool)
     for t in range(skip, tokens):
         for j in range(k):
             e = int(idx[t, j])
@@ -278,14 +280,13 @@ def test_u4_experts_bf16_groups_of_128(nibbles: bool) -> None:
 @pytest.mark.parametrize("groups", [(128, 96), (32, 64)], ids=["g128-96", "g32-64"])
 @pytest.mark.parametrize("nibbles", [False, True], ids=["u8", "packed-u4"])
 def test_u4_experts_int8_tiles(groups: tuple[int, int], nibbles: bool) -> None:
-    """The `int8` tiles: experts of at least 11 tokens (the lane form, padded to a multiple of 8:
-    vectors of 16, then one of 8 in a ymm) take x and their act rows as int8 per 32 inputs and the
-    weights q as they are (packed u4 read in place, u8 through a tile); the integer sums are exact,
-    so the result is the float64 block on the dequantized activations. Experts of 11, 15 (one
-    padded vector), 16, 17 (a vector of 16 and a padded one of 8), 24 (one of 16 and one of 8), 43
-    (three: the 2 x 3 register block), 56 (three and one of 8) tokens; 3 and 10 (the bf16 dot
-    form), 1 and 2 (`direct`); 192 act rows (tasks of 128 and 64); groups of 128 and 96, 32 and
-    64."""
+    """The `int8` tiles: experts of at least 3 tokens take x and their act rows as int8 per 32
+    inputs and the weights q as they are (packed u4 read in place, u8 through a tile); the integer
+    sums are exact, so the result is the float64 block on the dequantized activations. Experts of
+    11, 15 (one padded vector), 16, 17 (a vector of 16 and a padded one of 8), 24 (one of 16 and
+    one of 8), 43 (three: the 2 x 3 register block), 56 (three and one of 8) tokens in the lane
+    form; 3 and 10 in the row form (packed u4; u8 weights: a padded vector), 1 and 2 (`direct`);
+    192 act rows (tasks of 128 and 64); groups of 128 and 96, 32 and 64."""
     rng = np.random.default_rng(17)
     counts = [3, 10, 11, 15, 16, 17, 24, 43, 56, 1, 2]
     idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
@@ -294,6 +295,45 @@ def test_u4_experts_int8_tiles(groups: tuple[int, int], nibbles: bool) -> None:
     check(np.random.default_rng(17))
     with pytest.raises(AssertionError):  # the int8 path really ran: without the quantization the reference is off
         check(np.random.default_rng(17), quantize=False)
+
+
+
+_INT8_ROW_CHECKS = """
+import os
+import sys
+import numpy as np
+from tests import test_native as t
+
+few = os.environ.get("IQ36_INT8_ROW_TOKENS") != "0"
+counts = [3, 5, 8, 10, 11, 13, 16, 17, 24, 33, 43, 56, 1, 2]
+rng = np.random.default_rng(29)
+idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
+out = []
+for groups in ((128, 96), (32, 64)):
+    for nibbles in (False, True):
+        out.append(t._check_u4_experts(np.random.default_rng(7), idx, 0, np.float16, experts=len(counts), hidden=640,
+                                       width=192, groups=groups, nibbles=nibbles, bf16=True, int8=True, few_int8=few))
+np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
+print("checked")
+"""
+
+
+@pytest.mark.skipif(not native.int8_supported(),
+                    reason=f"needs a CPU with {', '.join(native.INT8_CPU_FLAGS)} and "
+                           f"{native.BF16_CPU_FLAGS[-1]}, without AMX (the op keeps its AMX tiles there)")
+def test_u4_experts_int8_row_form(tmp_path: Path) -> None:
+    """The int8 row form (weight rows as the lanes, each token's inputs broadcast): by default the
+    experts of 3-10 tokens, which otherwise take the bf16 dot form, take it on int8 activations;
+    with IQ36_INT8_ROW_TOKENS=64 every expert here up to 64 tokens does, including those the lane
+    form takes by default (11-56 tokens: a padded vector, vectors of 16 and one of 8). Each
+    against float64 (`_check_u4_experts`, the reference quantizing as the op does), packed u4 and
+    u8 weights (the row form reads packed rows only: u8 keeps the lane form), two group shapes.
+    The row and lane forms compute the same int32 sums and the same f32 operations per (row,
+    token): 64 gives the default's bits. With 0 the few-token experts take the bf16 dot form
+    again: other bits, and the reference's int8 rule only from 11 tokens."""
+    got = _run_checks(tmp_path, _INT8_ROW_CHECKS, "IQ36_INT8_ROW_TOKENS", ("", "64", "0"))
+    np.testing.assert_array_equal(got[""], got["64"])
+    assert not np.array_equal(got[""], got["0"])
 
 
 def _run_checks(tmp_path: Path, script: str, name: str, values: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -659,8 +659,11 @@ public:
                 // splits' tiles: inputs in multiples of 16, whole dot vectors) or dot_tokens (bf16
                 // tiles: an expert of fewer tokens than a vector takes the dot form alone)
                 // (int8 tiles: no dot-form tail, which would need a bf16 tile of the same rows too;
-                // columns padded to int8::kPad instead, a last vector of 8 tokens in a ymm)
-                const bool dot = bf ? m % pad <= dot_tokens && (!i8 || m < pad) : split && m % pad <= kDotTail;
+                // columns padded to int8::kPad instead, a last vector of 8 tokens in a ymm; an
+                // expert of at most int8::row_tokens() tokens takes the int8 row form instead of
+                // the dot form)
+                const bool few8 = i8 && m <= int8::row_tokens();
+                const bool dot = bf ? m % pad <= dot_tokens && (!i8 || m < pad) && !few8 : split && m % pad <= kDotTail;
                 q8[e] = i8 && !dot;
                 rem[e] = dot ? m % pad : 0;
                 lanes[e] = dot ? m - rem[e] : q8[e] ? int8::padded(m) : (m + pad - 1) / pad * pad;
@@ -778,8 +781,8 @@ public:
                         held_expert = e;
                     }
                     const auto* xq = reinterpret_cast<const int32_t*>(xT.data());
-                    int8::products(gate, e, r0, nr, xq, esa.data(), eS.data(), nl, nl, tile8, g.data(), n);
-                    int8::products(up, e, r0, nr, xq, esa.data(), eS.data(), nl, nl, tile8, u.data(), n);
+                    int8::products(gate, e, r0, nr, xq, esa.data(), eS.data(), nl, m, nl, tile8, g.data(), n);
+                    int8::products(up, e, r0, nr, xq, esa.data(), eS.data(), nl, m, nl, tile8, u.data(), n);
                 } else if (bf) {  // the rows as bf16; a row's input pairs are 32-bit words, transposed like f32
                     const size_t nl = lanes[e];  // lane-form columns; then rem[e] dot-form tokens
                     const bool f = fused(fuse1, e);
@@ -898,7 +901,7 @@ public:
                     const size_t n = ld[e];
                     if (q8[e]) {
                         int8::products(down, e, c0, nc, act8 + aoff[e] / 4, asa + aoff[e] / int8::kGroup, aS + aoff[e] / down.group, n,
-                                       lanes[e], tile8, out.data(), n);
+                                       m, lanes[e], tile8, out.data(), n);
                     } else if (bf) {
                         for (size_t j = 0; j < rem[e]; ++j)
                             xr[j] = actr + (roff[e] + j) * I;

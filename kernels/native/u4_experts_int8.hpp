@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 // Included by u4_experts.hpp after u4_experts_bf16.hpp (Packed, value, slice_of, token_blocks).
@@ -301,6 +302,7 @@ inline size_t slice_of(const Packed& m) { return experts::slice_of(m, 1); }
 struct Tile {
     AlignedVector<uint8_t> w;
     std::vector<float> sw, zs;
+    std::vector<float> swT, zsT, oT;  // the row form's (`row_products`)
     void fit(const Packed& m, size_t rows) {
         const size_t ks = slice_of(m);
         w.resize(m.w4 ? 0 : rows * ks);  // packed u4 weights are read in place
@@ -309,11 +311,181 @@ struct Tile {
     }
 };
 
+// The row form: the weight rows are the lanes (16 to a zmm) and each token's word of four inputs
+// is broadcast, for an expert of few tokens: 16 rows' 32 packed weights are transposed in
+// registers (4 loads, 12 inserts, 8 unpacks), unpacked once (a mask, a shift and a mask) and
+// meet each token in 8 vpdpbusd, with no padded tokens. Per (row, token) the same int32 sums and
+// the same f32 operations in the same order as `kernel`: the same bits. Zen 4 EPYC, the op alone:
+// per product about the lane form's speed at 11-24 tokens an expert and 10% slower at ~32, so
+// the lane form keeps those; what it brings is int8 products for the experts of 3-10 tokens
+// (row_tokens()), which took the bf16 dot form: E = 256, 257 tokens 58.6 -> 48.5 ms, 513 tokens
+// 73.4 -> 69.8 ms (docs/perf-log.md, session 34).
+constexpr size_t kRowLanes = 16;
+constexpr int kRowBlock = 12;  // tokens per pass: 2 x 12 accumulators, 4 weight words, 4 more
+
+// Experts of at most this many tokens take the row form (0: never). `IQ36_INT8_ROW_TOKENS` in the
+// environment overrides it (A/B timings, tests).
+#ifndef IQ36_INT8_ROW_TOKENS
+#define IQ36_INT8_ROW_TOKENS 10
+#endif
+inline size_t row_tokens() {
+    static const size_t tokens = [] {
+        const char* env = std::getenv("IQ36_INT8_ROW_TOKENS");
+        return env && *env ? static_cast<size_t>(std::strtoul(env, nullptr, 10)) : size_t{IQ36_INT8_ROW_TOKENS};
+    }();
+    return tokens;
+}
+
+// acc + the products of u's bytes with the word at p in every lane: the word as the instruction's
+// broadcast memory operand ({1to16}), which GCC does not fold from _mm512_set1_epi32 (a separate
+// vpbroadcastd per product otherwise).
+IQ36_INT8 inline __m512i dpbusd_word(__m512i acc, __m512i u, const int32_t* p) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*p));
+    return acc;
+}
+
+// B[j] lane i: the j-th 4 bytes of the 16 at w + i ldw (16 rows' 32 packed weights, 8 a word).
+IQ36_INT8 inline void rows_of_words(const uint8_t* w, size_t ldw, __m512i (&B)[4]) {
+    __m512i A[4];  // A[q]'s 128-bit lane L: row q + 4 L
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+        __m512i a = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * ldw)));
+        a = _mm512_inserti32x4(a, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (q + 4) * ldw)), 1);
+        a = _mm512_inserti32x4(a, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (q + 8) * ldw)), 2);
+        A[q] = _mm512_inserti32x4(a, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (q + 12) * ldw)), 3);
+    }
+    // a 4 x 4 transpose within each 128-bit lane: element i of lane L is row 4 L + i
+    const __m512i t0 = _mm512_unpacklo_epi32(A[0], A[1]), t1 = _mm512_unpackhi_epi32(A[0], A[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(A[2], A[3]), t3 = _mm512_unpackhi_epi32(A[2], A[3]);
+    B[0] = _mm512_unpacklo_epi64(t0, t2);
+    B[1] = _mm512_unpackhi_epi64(t0, t2);
+    B[2] = _mm512_unpacklo_epi64(t1, t3);
+    B[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// oT[t * 16 + i] (+)= the products of 16 packed u4 rows (ldw bytes apart) with T tokens, over kn
+// inputs: xq / sa / S as for `kernel` (the lane form's columns, token t at lane t), swT / zsT the
+// rows' scales and scale x zero points per weight group (16 a group). `add`: oT holds a previous
+// slice's sums. `ahead`: the next 16 rows, prefetched a line of each per 128 inputs.
+template <int T>
+IQ36_INT8 inline void row_kernel(const uint8_t* w, size_t ldw, const float* swT, const float* zsT, size_t group,
+                                 const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* oT,
+                                 bool add, const uint8_t* ahead) {
+    for (size_t g0 = 0; g0 < kn; g0 += group) {
+        __m512 t[T];  // the weight group's sum_G s_G ga_G
+        for (size_t h = g0; h < g0 + group; h += kGroup) {
+            if (ahead && h % 128 == 0)
+#pragma GCC unroll 16
+                for (size_t i = 0; i < kRowLanes; ++i)
+                    _mm_prefetch(reinterpret_cast<const char*>(ahead + i * ldw + h / 2), _MM_HINT_T0);
+            __m512i B[4];
+            rows_of_words(w + h / 2, ldw, B);
+            __m512i ga[T];
+#pragma GCC unroll 16
+            for (int j = 0; j < T; ++j)
+                ga[j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; ++q) {  // 8 inputs: the even ones' word, the odd ones'
+                const __m512i we = Zmm::nibbles(B[q]), wo = Zmm::high_nibbles(B[q]);
+                const int32_t* even = xq + ((h + 8 * q) / 4) * ldx;
+#pragma GCC unroll 16
+                for (int j = 0; j < T; ++j) {
+                    ga[j] = dpbusd_word(ga[j], we, even + j);
+                    ga[j] = dpbusd_word(ga[j], wo, even + ldx + j);
+                }
+            }
+            const float* sv = sa + (h / kGroup) * ldx;
+#pragma GCC unroll 16
+            for (int j = 0; j < T; ++j)
+                t[j] = h == g0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(ga[j]), _mm512_set1_ps(sv[j]))
+                               : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ga[j]), _mm512_set1_ps(sv[j]), t[j]);
+        }
+        const size_t g = g0 / group;
+        const __m512 sc = _mm512_loadu_ps(swT + g * kRowLanes), zc = _mm512_loadu_ps(zsT + g * kRowLanes);
+        const float* sg = S + g * ldx;
+        const bool first = g0 == 0 && !add;
+#pragma GCC unroll 16
+        for (int j = 0; j < T; ++j) {
+            float* out = oT + j * kRowLanes;
+            const __m512 before = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
+            _mm512_storeu_ps(out, _mm512_fnmadd_ps(zc, _mm512_set1_ps(sg[j]), _mm512_fmadd_ps(t[j], sc, before)));
+        }
+    }
+}
+
+// Tokens [t0, t0 + nt) (nt <= kRowBlock) of the row form through row_kernel<nt>.
+IQ36_INT8 inline void row_pass(size_t nt, const uint8_t* w, size_t ldw, const float* swT, const float* zsT, size_t group,
+                               const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* oT,
+                               bool add, const uint8_t* ahead) {
+    switch (nt) {
+#define IQ36_ROW_CASE(N) \
+    case N: return row_kernel<N>(w, ldw, swT, zsT, group, xq, sa, S, ldx, kn, oT, add, ahead);
+        IQ36_ROW_CASE(1) IQ36_ROW_CASE(2) IQ36_ROW_CASE(3) IQ36_ROW_CASE(4) IQ36_ROW_CASE(5) IQ36_ROW_CASE(6)
+        IQ36_ROW_CASE(7) IQ36_ROW_CASE(8) IQ36_ROW_CASE(9) IQ36_ROW_CASE(10) IQ36_ROW_CASE(11) IQ36_ROW_CASE(12)
+#undef IQ36_ROW_CASE
+        default: return;
+    }
+}
+
+// Whether products() takes the row form for n rows and `tokens` tokens of m.
+inline bool row_form(const Packed& m, size_t n, size_t tokens) {
+    return m.w4 && tokens > 0 && tokens <= row_tokens() && n % kRowLanes == 0;
+}
+
+// products() in the row form: o[c * ldo + t] for c < n (whole blocks of 16), t < tokens, and 0 for
+// t in [tokens, cols) (the lane form's padded columns, which the callers read as zeros).
+inline void row_products(const Packed& m, size_t e, size_t r0, size_t n, const int32_t* xq, const float* sa, const float* S,
+                         size_t ldx, size_t tokens, size_t cols, Tile& tile, float* o, size_t ldo) {
+    const size_t K = m.in(), ks = slice_of(m);
+    const size_t passes = (tokens + kRowBlock - 1) / kRowBlock, per = (tokens + passes - 1) / passes;
+    tile.oT.resize(n * tokens);
+    float* oT = tile.oT.data();  // block b, token t: oT + (b tokens + t) 16
+    for (size_t k0 = 0; k0 < K; k0 += ks) {
+        const size_t kn = std::min(ks, K - k0), gn = kn / m.group, g0 = k0 / m.group;
+        // the rows' scales and scale x zero points, 16 rows to a group's vector (block b at b gn 16)
+        tile.swT.resize(n * gn);
+        tile.zsT.resize(n * gn);
+        for (size_t r = 0; r < n; ++r) {
+            const size_t row = e * m.out + r0 + r;
+            float* sw = tile.swT.data() + (r / kRowLanes * gn) * kRowLanes + r % kRowLanes;
+            float* zs = tile.zsT.data() + (r / kRowLanes * gn) * kRowLanes + r % kRowLanes;
+            for (size_t g = 0; g < gn; ++g) {
+                const size_t gi = row * m.groups + g0 + g;
+                const float scale = m.scale(gi);
+                sw[g * kRowLanes] = scale;
+                zs[g * kRowLanes] = scale * static_cast<float>(value(m.z, gi, m.z4));
+            }
+        }
+        const uint8_t* w = m.w + (e * m.out + r0) * (K / 2) + k0 / 2;
+        const int32_t* xs = xq + (k0 / 4) * ldx;
+        const float *ss = sa + (k0 / kGroup) * ldx, *Ss = S + (k0 / m.group) * ldx;
+        for (size_t b = 0; b < n / kRowLanes; ++b) {
+            const uint8_t* wb = w + b * kRowLanes * (K / 2);
+            const uint8_t* next = b + 1 < n / kRowLanes && kn == K ? wb + kRowLanes * (K / 2) : nullptr;
+            const float *sw = tile.swT.data() + b * gn * kRowLanes, *zs = tile.zsT.data() + b * gn * kRowLanes;
+            for (size_t t0 = 0; t0 < tokens; t0 += per) {
+                const size_t nt = std::min(per, tokens - t0);
+                row_pass(nt, wb, K / 2, sw, zs, m.group, xs + t0, ss + t0, Ss + t0, ldx, kn, oT + (b * tokens + t0) * kRowLanes,
+                         k0 > 0, t0 == 0 ? next : nullptr);
+            }
+        }
+    }
+    for (size_t b = 0; b < n / kRowLanes; ++b)
+        for (size_t i = 0; i < kRowLanes; ++i) {
+            float* row = o + (b * kRowLanes + i) * ldo;
+            for (size_t t = 0; t < tokens; ++t)
+                row[t] = oT[(b * tokens + t) * kRowLanes + i];
+            std::fill(row + tokens, row + cols, 0.0f);
+        }
+}
+
 // o[c][t] = dot(row r0 + c of expert e, token t) for c < n, t < cols (a multiple of kPad): the
 // token columns xq (K / 4 x ldx lanes), their scales sa (K / kGroup x ldx) and sums S (K / m.group
 // x ldx); the scales (and u8 weights' q) prepared one slice at a time into `tile` (fit for n rows of m).
 inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32_t* xq, const float* sa, const float* S,
-                     size_t ldx, size_t cols, Tile& tile, float* o, size_t ldo) {
+                     size_t ldx, size_t tokens, size_t cols, Tile& tile, float* o, size_t ldo) {
+    if (row_form(m, n, tokens))
+        return row_products(m, e, r0, n, xq, sa, S, ldx, tokens, cols, tile, o, ldo);
     const size_t K = m.in(), ks = slice_of(m);
     float* sw = tile.sw.data();
     float* zs = tile.zs.data();
@@ -396,7 +568,7 @@ inline bool dense(const q16::Weights& W, const float* x, size_t M, float* y) {
     dense_tasks(m, W.N, M, lanes, y, [&](size_t r0, size_t n, float* o) {
         thread_local Tile tile;
         tile.fit(m, kGateRows);
-        products(m, 0, r0, n, xq, sa.data(), S.data(), lanes, lanes, tile, o, lanes);
+        products(m, 0, r0, n, xq, sa.data(), S.data(), lanes, M, lanes, tile, o, lanes);
     });
     return true;
 }
