@@ -89,8 +89,13 @@ TAIL_ROWS = 32
 # matmuls' activations to int8 per 32 inputs itself), whose rows cost less: the same matmul at
 # 256 + t rows, plugin / bf16 tiles / int8 tiles: t = 16 21.4 / 19.6 / 18.9 ms, t = 32 22.3 / 21.3 /
 # 20.8, t = 40 21.9 / 23.0 / 20.8, t = 48 21.6 / 22.5 / 20.9, t = 56 21.6 / 23.5 / 21.7 (break-even;
-# docs/perf-log.md, session 32).
-TAIL_ROWS_INT8 = 48
+# docs/perf-log.md, session 32). With session 33's int8 kernels (packed weights read in place, a
+# last vector of 8 tokens) every tail costs the tiles less than the plugin's whole block: plugin /
+# int8 tiles, t = 49 22.5 / 22.3, 53 21.3 / 21.1, 57 21.4 / 20.9, 60 21.7 / 20.4, 63 21.8 / 21.5 (t
+# = 61: 21.6 / 21.7). So all of them go there (ROW_BLOCK - 1), and the plugin's matmuls only see
+# whole blocks of rows. dev-bench in one process, a length's first prefill against 512's rate:
+# 505 tokens 0.96 -> 1.00 (docs/perf-log.md, session 34).
+TAIL_ROWS_INT8 = ROW_BLOCK - 1
 TILE_FROM = MAX_ROWS + 1  # the op's rows from which the tiles take them (fewer: the integer products)
 TILE_ROWS = "tile_rows"  # the op's attribute: calls of at least this many rows take the tiles
 TILE_INT8 = "tile_int8"  # the op's attribute: those rows on the int8 tiles (activations int8 per 32 inputs)

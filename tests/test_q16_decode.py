@@ -197,13 +197,14 @@ def _tile_case(seed: int, k: int, group: int, rows: int) -> tuple[list, np.ndarr
                     reason=f"the int8 tiles need a CPU with {', '.join(native.INT8_CPU_FLAGS)} and AVX512-BF16, "
                            "without AMX")
 @pytest.mark.parametrize(("k", "group"), [(2048, 128), (1024, 256), (512, 128)])
-@pytest.mark.parametrize("rows", [11, 16, 21, 32, 37])
+@pytest.mark.parametrize("rows", [11, 16, 21, 32, 37, 57, 63])
 def test_q16_linear_tile_rows_int8(k: int, group: int, rows: int) -> None:
     """`tile_int8` with `tile_rows`: calls of more than 10 rows take the int8 tiles (x as int8 per 32
     inputs, the lane form padded to vectors of 16): against float64 on x so quantized, every
     output to f32 accuracy, and not the bf16 tiles' numbers; 5-10 rows keep the bf16 tiles' dot or
     fused form (as an expert of that many tokens), fewer the integer products, bit for bit. 200
-    weight rows: a task of 128 and one of 72."""
+    weight rows: a task of 128 and one of 72. Up to 63 rows: every tail past the plugin's row
+    blocks (TAIL_ROWS_INT8)."""
     from tests.test_native import _int8
 
     weights, dense, x, attributes = _tile_case(rows * 11 + k, k, group, rows)
