@@ -431,3 +431,23 @@ def test_chat_template_keywords_reach_the_template(tokenizer: ModelTokenizer) ->
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=True,
                                          enable_thinking=False)
     assert text == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_worker_warm_up_runs_a_request_and_leaves_no_trace(engine: Engine, prompt: tuple[int, ...],
+                                                           stock_greedy: list[StepOutput]) -> None:
+    """`worker.process.warm_up` (the request a worker runs before READY): the engine prefills and
+    decodes it (its infer calls grow) and is idle after it, with nothing in the prefix cache;
+    the next request's greedy tokens are the stock engine's."""
+    from worker.process import warm_up
+
+    cache = getattr(engine, "prefix_cache", None)
+    before = len(cache) if cache is not None else 0
+    calls = dict(getattr(engine, "_calls", {}))
+    warm_up(engine, 100)
+    assert not engine.has_work()
+    if cache is not None:
+        assert len(cache) == before
+    if hasattr(engine, "_calls"):  # the candidate counts its infer calls per request
+        assert sum(engine._calls.values()) >= sum(calls.values()) + 2  # a prefill and a decode step
+    got = run(engine, EngineRequest("after", prompt, _greedy(max_tokens=8)))
+    assert tokens_of(got, "after") == tokens_of(stock_greedy, "ref")[:8]

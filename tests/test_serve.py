@@ -33,6 +33,7 @@ def test_serve_reports_identity_and_stops_cleanly_on_sigterm(tiny_dir: Path, sta
         assert ready["resolved"]["INFERENCE_PRECISION_HINT"]  # what the plugin resolved it to
         assert "last_token_logits" in ready["resolved"]["kernels"]
         assert "iq36: serving" in serve.stderr  # the HTTP gateway is up
+        assert "warm-up: 128 prompt tokens" in serve.stderr  # the worker's request before READY
         worker = psutil.Process(ready["pid"])
         assert serve.terminate() == 0
         assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE

@@ -56,6 +56,17 @@ def settings(tmp_path: Path, **overrides: Any) -> ServiceSettings:
     return ServiceSettings.build(env={}, **values)
 
 
+
+def test_warmup_tokens_setting_reads_the_environment_and_refuses_negatives() -> None:
+    assert ServiceSettings.build(env={}).warmup_tokens == 128
+    assert ServiceSettings.build(env={"IQ36_WARMUP_TOKENS": "0"}).warmup_tokens == 0
+    with pytest.raises(ValueError, match="warmup_tokens"):
+        ServiceSettings.build(env={"IQ36_WARMUP_TOKENS": "-1"})
+    one = WorkerSpec(model_dir=Path("m"), engine="candidate", profile="cpu", warmup_tokens=64)
+    argv = one.argv("ipc://x", 1, "h")
+    assert argv[argv.index("--warmup-tokens") + 1] == "64"
+
+
 def spec(model_dir: Path, tmp_path: Path, profile: str | None = None,
          identity: IdentityMode = IdentityMode.METADATA) -> WorkerSpec:
     if profile is None:

@@ -123,9 +123,10 @@ def run_service(opts: ServeOptions) -> int:
 
 
 def options_from_args(model_dir: Path, args: Any) -> ServeOptions:
-    spec = WorkerSpec(model_dir=model_dir, engine=args.engine, profile=args.profile,
-                      identity=IdentityMode(args.identity), expect_profile_hash=args.expect_profile_hash)
     settings = ServiceSettings.build(state_dir=args.state_dir, control_socket=args.control_socket)
+    spec = WorkerSpec(model_dir=model_dir, engine=args.engine, profile=args.profile,
+                      identity=IdentityMode(args.identity), expect_profile_hash=args.expect_profile_hash,
+                      warmup_tokens=settings.warmup_tokens)
     name = args.served_model_name or (args.model if not Path(args.model).expanduser().is_dir() else model_dir.name)
     return ServeOptions(spec=spec, settings=settings, host=args.host, port=args.port, model_name=name,
                         api_key_file=args.api_key_file, allow_unauthenticated=args.allow_unauthenticated)

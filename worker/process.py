@@ -268,6 +268,27 @@ class EngineLoop:
                                prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens))
 
 
+WARMUP_TEXT = "An untimed request that iq36's worker runs before it reports ready. "
+
+
+def warm_up(engine: Any, tokens: int) -> None:
+    """One greedy request of `tokens` prompt tokens and two generated ones, outside the prefix
+    cache: what the device does once, on its first long prefill and first decode steps (the CPU
+    plugin converts its compressed weights for its larger matmul kernels then), happens before
+    READY instead of in the first user's request. A failure here is a startup failure."""
+    from worker.engine import EngineRequest, SamplingParams
+
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += list(engine.tokenizer.encode(WARMUP_TEXT * 16, add_special_tokens=False))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add(EngineRequest("warm-up", tuple(ids[:tokens]), params, reuse_prefix=False))
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished and out.error:
+                raise RuntimeError(f"the warm-up request failed: {out.error}")
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker.process",
                                 description="iq36 worker process (started by the supervisor)")
@@ -278,6 +299,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", required=True, help="profile name or TOML path")
     p.add_argument("--identity", choices=["full", "metadata", "off"], default="full")
     p.add_argument("--expect-profile-hash")
+    p.add_argument("--warmup-tokens", type=int, default=0,
+                   help="prompt tokens of one untimed request before READY (0: none)")
     return p.parse_args(argv)
 
 
@@ -329,6 +352,16 @@ def _serve(args: argparse.Namespace, io: IOThread, inbox: queue.SimpleQueue[ToWo
         return EXIT_STARTUP
     try:
         identity["engine"] = args.engine
+        if args.warmup_tokens > 0:
+            t1 = time.monotonic()
+            try:
+                warm_up(engine, args.warmup_tokens)
+            except Exception as exc:
+                log.exception("engine %s failed its warm-up request", args.engine)
+                io.send(StartupFailed(generation=gen, reason=f"engine {args.engine} failed its warm-up request: "
+                                                             f"{type(exc).__name__}: {exc}"))
+                return EXIT_STARTUP
+            log.info("warm-up: %d prompt tokens in %.2f s", args.warmup_tokens, time.monotonic() - t1)
         identity["resolved"] = {"startup_s": round(time.monotonic() - t0, 2)}
         # Optional engine hook: what the device resolved to (e.g. inference precision).
         describe = getattr(engine, "describe", None)

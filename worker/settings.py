@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -27,7 +27,7 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     # seconds while the process is alive = hung (killed and replaced).
     heartbeat_interval_s: float = 0.5
     heartbeat_deadline_s: float = 5.0
-    # From spawn to READY (identity check + compile). The real model compiles in minutes.
+    # From spawn to READY (identity check + compile + warm-up). The real model compiles in minutes.
     startup_timeout_s: float = 900.0
     # Restart backoff after a crash / hang / guard trip: initial * 2^(n-1), capped; n resets once
     # a worker has stayed up `backoff_reset_s`; after `max_consecutive_restarts` short-lived
@@ -41,6 +41,11 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     memory_poll_interval_s: float = 1.0
     # After a Shutdown frame, how long the worker gets before SIGKILL.
     shutdown_grace_s: float = 5.0
+    # Before READY the worker runs one untimed request of this many prompt tokens (and two
+    # generated): the plugin's one-off work on the first long prefill (e.g. converting its
+    # compressed weights for the larger matmul kernels: ~0.7 s on dev-bench) and the first decode
+    # steps then happen at startup, not in the first user's request. 0 disables it.
+    warmup_tokens: Annotated[int, msgspec.Meta(ge=0)] = 128
     # --- the HTTP gateway (admission, deadlines, shutdown) ---
     # Requests waiting behind the one running; one more is refused with 429 queue_full.
     max_queue: int = 8

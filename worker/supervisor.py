@@ -103,6 +103,7 @@ class WorkerSpec:
     profile: str
     identity: IdentityMode = IdentityMode.FULL
     expect_profile_hash: str | None = None
+    warmup_tokens: int = 0  # the worker's untimed request before READY (ServiceSettings)
 
     def argv(self, endpoint: str, generation: int, profile_hash: str) -> list[str]:
         # The worker must compute with the profile the service started with: an edit to the
@@ -112,6 +113,7 @@ class WorkerSpec:
             "--generation", str(generation), "--model", str(self.model_dir), "--engine", self.engine,
             "--profile", self.profile, "--identity", self.identity.value,
             "--expect-profile-hash", self.expect_profile_hash or profile_hash,
+            "--warmup-tokens", str(self.warmup_tokens),
         ]
 
 
