@@ -56,7 +56,6 @@ def settings(tmp_path: Path, **overrides: Any) -> ServiceSettings:
     return ServiceSettings.build(env={}, **values)
 
 
-
 def test_warmup_tokens_setting_reads_the_environment_and_refuses_negatives() -> None:
     assert ServiceSettings.build(env={}).warmup_tokens == 128
     assert ServiceSettings.build(env={"IQ36_WARMUP_TOKENS": "0"}).warmup_tokens == 0

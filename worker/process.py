@@ -278,11 +278,10 @@ def warm_up(engine: Any, tokens: int) -> None:
     READY instead of in the first user's request. A failure here is a startup failure."""
     from worker.engine import EngineRequest, SamplingParams
 
-    ids: list[int] = []
-    while len(ids) < tokens:
-        ids += list(engine.tokenizer.encode(WARMUP_TEXT * 16, add_special_tokens=False))
+    text = tuple(engine.tokenizer.encode(WARMUP_TEXT, add_special_tokens=False))
+    ids = (text * (tokens // len(text) + 1))[:tokens]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    engine.add(EngineRequest("warm-up", tuple(ids[:tokens]), params, reuse_prefix=False))
+    engine.add(EngineRequest("warm-up", ids, params, reuse_prefix=False))
     while engine.has_work():
         for out in engine.step():
             if out.finished and out.error:
