@@ -113,6 +113,58 @@ def test_decode_attention_is_attention_over_the_dequantised_cache(kv: int, group
     assert np.abs(out - want).max() <= 2e-6 * np.abs(want).max()
 
 
+def forms_probe(path: str) -> None:
+    """Save the op's outputs over cases that take every pass (8 and 3 query heads a kv head, one
+    span and three, head sizes 256, 64 and 32) with their float64 references to `path` (.npz); run
+    in a subprocess by the test below, once per form of the passes."""
+    outputs = {}
+    for i, (kv, group, size, past) in enumerate([(2, 8, 256, 1100), (1, 3, 64, 40), (2, 8, 32, 700)]):
+        rng = np.random.default_rng(100 + i)
+        q = rng.standard_normal((1, kv * group, 1, size)).astype(np.float32)
+        k, v = (_rows(rng, (1, kv, 1, size)) for _ in range(2))
+        past_k, past_v = (np.ascontiguousarray(nda.pack(_rows(rng, (1, kv, past, size)))) for _ in range(2))
+        layer = _Op(kv * group, kv, size)
+        try:
+            layer.store.write({"k": past_k, "v": past_v})
+            outputs[f"out{i}"] = layer(q, k, v, past)
+            cache = layer.store.read(max_bytes=1 << 40)
+        finally:
+            layer.store.drop()
+        assert cache is not None
+        keys, values = nda.unpack(cache["k"])[0].astype(np.float64), nda.unpack(cache["v"])[0].astype(np.float64)
+        scores = np.einsum("hgd,htd->hgt", q.reshape(kv, group, size).astype(np.float64), keys) * layer.scale
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        outputs[f"want{i}"] = np.einsum("hgt,htd->hgd", weights, values).reshape(q.shape)
+    np.savez(path, **outputs)
+
+
+def test_the_zmm_and_ymm_passes_are_both_the_attention(tmp_path: Path) -> None:
+    """On an AVX-512 CPU the scores and the weighted value sum take zmm vectors (`dattn::zmm`);
+    `IQ36_NATIVE_AVX512=0` keeps the ymm passes. Both are attention over the dequantised cache as
+    float64 computes it, and they differ from each other by f32 rounding only (a score's lanes
+    summed in another order)."""
+    import os
+    import subprocess
+    import sys
+
+    if "avx512f" not in native.cpu_flags():
+        pytest.skip("the zmm passes need a CPU with avx512f")
+    runs = {}
+    for flag in ("0", "1"):
+        path = tmp_path / f"avx512-{flag}.npz"
+        code = f"from tests.test_native_decode_attention import forms_probe; forms_probe({str(path)!r})"
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "IQ36_NATIVE_AVX512": flag}, check=True,
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+        runs[flag] = np.load(path)
+    for i in range(3):
+        want = runs["0"][f"want{i}"]
+        bound = 2e-6 * np.abs(want).max()
+        assert np.abs(runs["0"][f"out{i}"] - want).max() <= bound, i
+        assert np.abs(runs["1"][f"out{i}"] - want).max() <= bound, i
+        assert np.abs(runs["1"][f"out{i}"] - runs["0"][f"out{i}"]).max() <= bound, i
+
+
 def test_the_store_grows_in_place_and_rewinds() -> None:
     """Steps append to the store across its growth (past 256 and 1024 + 256 rows: copies keep
     every row); a step after fewer tokens than the store holds overwrites from there (a rewind);

@@ -41,6 +41,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -133,18 +134,26 @@ void scores(const float* q, const uint8_t* rows, size_t W, size_t D, size_t j0, 
     }
 }
 
+// The weighted value sum's per-key factors for keys [b0, b1) of a span starting at j0:
+// c[(j - b0) * NG + g] = w[g * stride + j - j0] * vscale_j and vz[j - b0] = zp_j.
+template <size_t NG>
+void value_factors(const float* w, size_t stride, const uint8_t* rows, size_t W, size_t D, size_t j0, size_t b0,
+                   size_t b1, float* c, float* vz) {
+    for (size_t j = b0; j < b1; ++j) {
+        float vs;
+        row_params(rows + j * W, D, vs, vz[j - b0]);
+        for (size_t g = 0; g < NG; ++g)
+            c[(j - b0) * NG + g] = w[g * stride + (j - j0)] * vs;
+    }
+}
+
 // o[g * D + d] += sum_j w[g * stride + j - j0] * vscale_j * (v_jd - zp_j) for keys [j0, j1).
 template <size_t NG>
 void values(const float* w, size_t stride, const uint8_t* rows, size_t W, size_t D, size_t j0, size_t j1, float* o) {
     alignas(32) float c[kBlock * NG], vz[kBlock];  // c[j * NG + g]: the weight times the row's scale
     for (size_t b0 = j0; b0 < j1; b0 += kBlock) {
         const size_t b1 = std::min(j1, b0 + kBlock);
-        for (size_t j = b0; j < b1; ++j) {
-            float vs;
-            row_params(rows + j * W, D, vs, vz[j - b0]);
-            for (size_t g = 0; g < NG; ++g)
-                c[(j - b0) * NG + g] = w[g * stride + (j - j0)] * vs;
-        }
+        value_factors<NG>(w, stride, rows, W, D, j0, b0, b1, c, vz);
         for (size_t d = 0; d < D; d += 8) {
             __m256 acc[NG];
             for (size_t g = 0; g < NG; ++g)
@@ -159,6 +168,76 @@ void values(const float* w, size_t stride, const uint8_t* rows, size_t W, size_t
                 _mm256_storeu_ps(o + g * D + d, acc[g]);
         }
     }
+}
+
+// The same two passes on zmm vectors (AVX-512F; D a multiple of 16): 16 inputs per conversion
+// and multiply-add, half the instructions of the ymm form per key and head. The weighted value
+// sum is the ymm form's bit for bit (each output lane takes the same multiply-adds in the same
+// key order); a score sums its 16 lanes in another order than the ymm form's 8 (f32 rounding).
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace zmm {
+
+inline __m512 centred(const uint8_t* p, __m512 zp) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), zp);
+}
+
+template <size_t NG>
+void scores(const float* q, const uint8_t* rows, size_t W, size_t D, size_t j0, size_t j1, float scale, float* s,
+            size_t stride) {
+    for (size_t j = j0; j < j1; ++j) {
+        const uint8_t* row = rows + j * W;
+        float ks, kz;
+        row_params(row, D, ks, kz);
+        const __m512 zp = _mm512_set1_ps(kz);
+        __m512 acc[NG];
+        for (size_t g = 0; g < NG; ++g)
+            acc[g] = _mm512_setzero_ps();
+        for (size_t d = 0; d < D; d += 16) {
+            const __m512 k = centred(row + d, zp);
+            for (size_t g = 0; g < NG; ++g)
+                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k, acc[g]);
+        }
+        const float f = scale * ks;
+        for (size_t g = 0; g < NG; ++g)
+            s[g * stride + (j - j0)] = _mm512_reduce_add_ps(acc[g]) * f;
+    }
+}
+
+template <size_t NG>
+void values(const float* w, size_t stride, const uint8_t* rows, size_t W, size_t D, size_t j0, size_t j1, float* o) {
+    alignas(64) float c[kBlock * NG], vz[kBlock];
+    for (size_t b0 = j0; b0 < j1; b0 += kBlock) {
+        const size_t b1 = std::min(j1, b0 + kBlock);
+        value_factors<NG>(w, stride, rows, W, D, j0, b0, b1, c, vz);
+        for (size_t d = 0; d < D; d += 16) {
+            __m512 acc[NG];
+            for (size_t g = 0; g < NG; ++g)
+                acc[g] = _mm512_loadu_ps(o + g * D + d);
+            const uint8_t* p = rows + b0 * W + d;
+            for (size_t j = 0; j < b1 - b0; ++j, p += W) {
+                const __m512 v = centred(p, _mm512_set1_ps(vz[j]));
+                for (size_t g = 0; g < NG; ++g)
+                    acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(c[j * NG + g]), v, acc[g]);
+            }
+            for (size_t g = 0; g < NG; ++g)
+                _mm512_storeu_ps(o + g * D + d, acc[g]);
+        }
+    }
+}
+
+}  // namespace zmm
+#pragma GCC pop_options
+
+// The zmm passes: on a CPU with AVX-512F, for heads of a multiple of 16 inputs;
+// `IQ36_NATIVE_AVX512=0` keeps the ymm ones.
+inline bool wide(size_t D) {
+    static const bool yes = [] {
+        const char* env = std::getenv("IQ36_NATIVE_AVX512");
+        return __builtin_cpu_supports("avx512f") && !(env && std::strcmp(env, "0") == 0);
+    }();
+    return yes && D % 16 == 0;
 }
 
 template <class F>
@@ -177,12 +256,15 @@ void with_heads(size_t n, F&& f) {
 
 // One span [j0, j1) of keys for the G query heads of one kv head: per head its span max m[g],
 // sum of exp l[g] and unnormalised output o[g * D ..] (exp(s - m) weighted values).
+// `on_zmm`: the passes on zmm vectors (`wide`).
 inline void span(const float* q, const uint8_t* krows, const uint8_t* vrows, size_t W, size_t D, size_t G,
-                 size_t j0, size_t j1, float scale, float* s, float* m, float* l, float* o) {
+                 size_t j0, size_t j1, float scale, float* s, float* m, float* l, float* o, bool on_zmm) {
     const size_t n = j1 - j0;
     for (size_t g0 = 0; g0 < G; g0 += kHeads) {
         const size_t ng = std::min(kHeads, G - g0);
-        with_heads(ng, [&](auto heads) { scores<heads()>(q + g0 * D, krows, W, D, j0, j1, scale, s + g0 * kSpan, kSpan); });
+        with_heads(ng, [&](auto heads) {
+            (on_zmm ? zmm::scores<heads()> : scores<heads()>)(q + g0 * D, krows, W, D, j0, j1, scale, s + g0 * kSpan, kSpan);
+        });
     }
     for (size_t g = 0; g < G; ++g) {
         float* sg = s + g * kSpan;
@@ -208,7 +290,9 @@ inline void span(const float* q, const uint8_t* krows, const uint8_t* vrows, siz
     std::fill(o, o + G * D, 0.0f);
     for (size_t g0 = 0; g0 < G; g0 += kHeads) {
         const size_t ng = std::min(kHeads, G - g0);
-        with_heads(ng, [&](auto heads) { values<heads()>(s + g0 * kSpan, kSpan, vrows, W, D, j0, j1, o + g0 * D); });
+        with_heads(ng, [&](auto heads) {
+            (on_zmm ? zmm::values<heads()> : values<heads()>)(s + g0 * kSpan, kSpan, vrows, W, D, j0, j1, o + g0 * D);
+        });
     }
 }
 
@@ -362,6 +446,7 @@ public:
         Scratch<float> partial(Hkv * spans * part);
         float* parts = partial.data();
         dattn::Store& cache = *store;
+        const bool on_zmm = dattn::wide(D);
         tbb::parallel_for(tbb::blocked_range<size_t>(0, Hkv * spans, 1), [&](const tbb::blocked_range<size_t>& r) {
             Scratch<float> scores(G * dattn::kSpan);
             for (size_t i = r.begin(); i != r.end(); ++i) {
@@ -369,7 +454,7 @@ public:
                 const size_t j0 = sp * dattn::kSpan, j1 = std::min(L, j0 + dattn::kSpan);
                 float* p = parts + i * part;
                 dattn::span(q + h * G * D, cache.keys(h), cache.values(h), W, D, G, j0, j1, scale, scores.data(), p,
-                            p + G, p + 2 * G);
+                            p + G, p + 2 * G, on_zmm);
             }
         });
         for (size_t h = 0; h < Hkv; ++h)
