@@ -33,8 +33,12 @@
 // How: one task per (kv head, span of up to kSpan keys): the scores of the group's query heads
 // (every key row is converted once and serves all of them), their softmax within the span (its max
 // and sum), and the values' sum weighted by it; the spans then merge by their maxima. AVX2 + FMA,
-// and both passes on zmm vectors where the CPU has AVX-512F (`dattn::zmm`; Zen 4 EPYC, the op
-// alone at 4096 tokens of context: 509 against 583 us; docs/perf-log.md, session 36).
+// and both passes on zmm vectors where the CPU has AVX-512F (`dattn::zmm`). The scores pass
+// prefetches the keys ahead and the values for the pass after it (`prefetch_rows`): in a decode
+// step the cache comes from memory, the weights having passed through the caches since the last
+// step. Zen 4 EPYC, dev-bench decode step, both attention layers (PERF_COUNT): 1.82-1.96 -> 1.00-1.08
+// ms at 4096 tokens of context, 0.41-0.47 -> 0.29-0.33 at 512; the zmm passes alone, the op on
+// its own at 4096: 583 -> 509 us (docs/perf-log.md, session 36).
 #pragma once
 
 #include <immintrin.h>
@@ -112,13 +116,25 @@ inline __m256 centred(const uint8_t* p, __m256 zp) {
     return _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), zp);
 }
 
+// Ahead of the scores: key row j + kAhead into L1, and value row j into L2 for the weighted value
+// sum that follows (a span's value rows, ~135 KB at D 256, stay in L2 until then).
+constexpr size_t kAhead = 8;
+inline void prefetch_rows(const uint8_t* krows, const uint8_t* vrows, size_t W, size_t j, size_t j1) {
+    for (size_t b = 0; b < W; b += 64) {
+        if (j + kAhead < j1)
+            _mm_prefetch(reinterpret_cast<const char*>(krows + (j + kAhead) * W + b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vrows + j * W + b), _MM_HINT_T1);
+    }
+}
+
 // Scores of NG query heads (q rows D apart) against keys [j0, j1) of rows W bytes apart:
 // s[g * stride + j - j0] = scale * kscale_j * sum_d q_g[d] (k_jd - zp_j).
 template <size_t NG>
-void scores(const float* q, const uint8_t* rows, size_t W, size_t D, size_t j0, size_t j1, float scale, float* s,
-            size_t stride) {
+void scores(const float* q, const uint8_t* rows, const uint8_t* vrows, size_t W, size_t D, size_t j0, size_t j1,
+            float scale, float* s, size_t stride) {
     for (size_t j = j0; j < j1; ++j) {
         const uint8_t* row = rows + j * W;
+        prefetch_rows(rows, vrows, W, j, j1);
         float ks, kz;
         row_params(row, D, ks, kz);
         const __m256 zp = _mm256_set1_ps(kz);
@@ -186,10 +202,11 @@ inline __m512 centred(const uint8_t* p, __m512 zp) {
 }
 
 template <size_t NG>
-void scores(const float* q, const uint8_t* rows, size_t W, size_t D, size_t j0, size_t j1, float scale, float* s,
-            size_t stride) {
+void scores(const float* q, const uint8_t* rows, const uint8_t* vrows, size_t W, size_t D, size_t j0, size_t j1,
+            float scale, float* s, size_t stride) {
     for (size_t j = j0; j < j1; ++j) {
         const uint8_t* row = rows + j * W;
+        prefetch_rows(rows, vrows, W, j, j1);
         float ks, kz;
         row_params(row, D, ks, kz);
         const __m512 zp = _mm512_set1_ps(kz);
@@ -265,7 +282,7 @@ inline void span(const float* q, const uint8_t* krows, const uint8_t* vrows, siz
     for (size_t g0 = 0; g0 < G; g0 += kHeads) {
         const size_t ng = std::min(kHeads, G - g0);
         with_heads(ng, [&](auto heads) {
-            (on_zmm ? zmm::scores<heads()> : scores<heads()>)(q + g0 * D, krows, W, D, j0, j1, scale, s + g0 * kSpan, kSpan);
+            (on_zmm ? zmm::scores<heads()> : scores<heads()>)(q + g0 * D, krows, vrows, W, D, j0, j1, scale, s + g0 * kSpan, kSpan);
         });
     }
     for (size_t g = 0; g < G; ++g) {
