@@ -282,7 +282,8 @@ inline void span(const float* q, const uint8_t* krows, const uint8_t* vrows, siz
     for (size_t g0 = 0; g0 < G; g0 += kHeads) {
         const size_t ng = std::min(kHeads, G - g0);
         with_heads(ng, [&](auto heads) {
-            (on_zmm ? zmm::scores<heads()> : scores<heads()>)(q + g0 * D, krows, vrows, W, D, j0, j1, scale, s + g0 * kSpan, kSpan);
+            (on_zmm ? zmm::scores<heads()> : scores<heads()>)(q + g0 * D, krows, vrows, W, D, j0, j1, scale,
+                                                              s + g0 * kSpan, kSpan);
         });
     }
     for (size_t g = 0; g < G; ++g) {
