@@ -84,6 +84,12 @@ private:
     AlignedVector<T> own_;
 };
 
+// True when the environment sets `name` to "0" (the native ops' switches, e.g. IQ36_NATIVE_AVX512).
+inline bool env_off(const char* name) {
+    const char* env = std::getenv(name);
+    return env && std::strcmp(env, "0") == 0;
+}
+
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

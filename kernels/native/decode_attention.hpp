@@ -47,7 +47,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -252,10 +251,7 @@ void values(const float* w, size_t stride, const uint8_t* rows, size_t W, size_t
 // The zmm passes: on a CPU with AVX-512F, for heads of a multiple of 16 inputs;
 // `IQ36_NATIVE_AVX512=0` keeps the ymm ones.
 inline bool wide(size_t D) {
-    static const bool yes = [] {
-        const char* env = std::getenv("IQ36_NATIVE_AVX512");
-        return __builtin_cpu_supports("avx512f") && !(env && std::strcmp(env, "0") == 0);
-    }();
+    static const bool yes = __builtin_cpu_supports("avx512f") && !env_off("IQ36_NATIVE_AVX512");
     return yes && D % 16 == 0;
 }
 

@@ -271,11 +271,6 @@ namespace zmm {
 }  // namespace zmm
 #pragma GCC pop_options
 
-inline bool env_off(const char* name) {
-    const char* env = std::getenv(name);
-    return env && std::strcmp(env, "0") == 0;
-}
-
 // AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (GCC 12's __builtin_cpu_supports does not know it).
 // `IQ36_NATIVE_VNNI=0` keeps the AVX2 form (and turns the zmm form off too).
 inline bool use_vnni() {
