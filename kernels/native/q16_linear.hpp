@@ -91,9 +91,28 @@ inline size_t u4_at(size_t i, bool zmm) {
 
 inline bool use_zmm();
 
+// The low bytes of v's eight int32 lanes, in lane order (each lane's value fits its low byte).
+inline __m128i low_bytes(__m256i v) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i b = _mm256_shuffle_epi8(v, pick);
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+// x[0, 2, .., 14] and x[1, 3, .., 15] of 16 inputs, each in input order.
+inline void even_odd(const float* x, __m256& even, __m256& odd) {
+    const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
+    const auto order = [](__m256 v) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8)); };
+    even = order(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+    odd = order(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // Vectorised: a decode step rounds one row per op call on the calling thread while the other
 // threads wait, so the scalar form (lrintf per input) cost ~17 us per 2048 inputs. Same values:
-// the same f32 products, rounded to nearest even as lrintf does in the default mode.
+// the same f32 products, rounded to nearest even as lrintf does in the default mode. For u4
+// weights the inputs are taken as their even and odd halves of each 16, so each run of eight
+// lands in its place (`u4_at`) from one vector: 2.3 -> 0.7 us per 2048 inputs (docs/perf-log.md,
+// session 37; placing them one by one cost more than the rounding).
 inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& r, bool residual = true) {
     residual = residual || !nibbles;  // u8 weights keep their int16 residual
     r.residual = residual;
@@ -111,8 +130,9 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
     const __m256i q_max = _mm256_set1_epi32(32767), q_min = _mm256_set1_epi32(-32767);
     const __m256i l_max = _mm256_set1_epi32(nibbles ? 127 : 32767), l_min = _mm256_set1_epi32(nibbles ? -127 : -32767);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), vunit = _mm256_set1_ps(unit);
+    const __m256i byte = _mm256_set1_epi32(0xFF);
     alignas(32) int32_t v[kBlock], l[kBlock];
-    const bool zmm = nibbles && use_zmm();
+    const size_t chunk = nibbles && use_zmm() ? 128 : 64;  // u4_at's
     for (size_t b = 0; b < K / kBlock; ++b) {
         const float* xb = x + b * kBlock;
         __m256 mv = _mm256_setzero_ps();
@@ -125,16 +145,45 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
         const float sx = m / 32767.f;
         const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
         __m256i qsum = _mm256_setzero_si256(), lsum = qsum;
-        for (size_t i = 0; i < kBlock; i += 8) {
-            const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(xb + i), inv);
-            const __m256i vi = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(f), q_min), q_max);
+        // the two terms of eight inputs (clamped), added to the block's sums
+        const auto terms = [&](__m256 xv, __m256i& vi, __m256i& li) {
+            const __m256 f = _mm256_mul_ps(xv, inv);
+            vi = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(f), q_min), q_max);
             const __m256 res = _mm256_mul_ps(_mm256_sub_ps(f, _mm256_cvtepi32_ps(vi)), vunit);
-            const __m256i li = residual ? _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(res), l_min), l_max)
-                                        : _mm256_setzero_si256();
-            _mm256_store_si256(reinterpret_cast<__m256i*>(v + i), vi);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(l + i), li);
+            li = residual ? _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(res), l_min), l_max) : _mm256_setzero_si256();
             qsum = _mm256_add_epi32(qsum, vi);
             lsum = _mm256_add_epi32(lsum, li);
+        };
+        if (nibbles) {  // v = 256 * qh + ql, ql in [0, 255]: qh = v >> 8 (floor), ql = v & 255
+            int8_t* hb = r.qh.data() + b * kBlock;
+            uint8_t* qlb = r.ql.data() + b * kBlock;
+            int8_t* lb = residual ? r.lo8.data() + b * kBlock : nullptr;
+            for (size_t i = 0; i < kBlock; i += 16) {
+                __m256 half[2];
+                even_odd(xb + i, half[0], half[1]);
+                for (size_t h = 0; h < 2; ++h) {  // the even inputs from u4_at(i), the odd ones half a chunk on
+                    const size_t at = (i & ~(chunk - 1)) + h * (chunk / 2) + ((i & (chunk - 1)) >> 1);
+                    __m256i vi, li;
+                    terms(half[h], vi, li);
+                    _mm_storel_epi64(reinterpret_cast<__m128i*>(hb + at), low_bytes(_mm256_srai_epi32(vi, 8)));
+                    _mm_storel_epi64(reinterpret_cast<__m128i*>(qlb + at), low_bytes(_mm256_and_si256(vi, byte)));
+                    if (lb)
+                        _mm_storel_epi64(reinterpret_cast<__m128i*>(lb + at), low_bytes(li));
+                }
+            }
+        } else {
+            for (size_t i = 0; i < kBlock; i += 8) {
+                __m256i vi, li;
+                terms(_mm256_loadu_ps(xb + i), vi, li);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(v + i), vi);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(l + i), li);
+            }
+            int16_t* qb = r.q.data() + b * kBlock;
+            int16_t* lb = r.lo.data() + b * kBlock;
+            for (size_t i = 0; i < kBlock; ++i) {
+                qb[i] = static_cast<int16_t>(v[i]);
+                lb[i] = static_cast<int16_t>(l[i]);
+            }
         }
         alignas(32) int32_t qs[8], ls[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(qs), qsum);
@@ -143,25 +192,6 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
         for (int i = 0; i < 8; ++i) {
             qt += qs[i];
             lt += ls[i];
-        }
-        if (nibbles) {
-            int8_t* hb = r.qh.data() + b * kBlock;
-            uint8_t* qlb = r.ql.data() + b * kBlock;
-            int8_t* lb = residual ? r.lo8.data() + b * kBlock : nullptr;
-            for (size_t i = 0; i < kBlock; ++i) {
-                const size_t at = u4_at(i, zmm);
-                hb[at] = static_cast<int8_t>(v[i] >> 8);  // floor: v = 256 * qh + ql, ql in [0, 255]
-                qlb[at] = static_cast<uint8_t>(v[i] & 0xFF);
-                if (lb)
-                    lb[at] = static_cast<int8_t>(l[i]);
-            }
-        } else {
-            int16_t* qb = r.q.data() + b * kBlock;
-            int16_t* lb = r.lo.data() + b * kBlock;
-            for (size_t i = 0; i < kBlock; ++i) {
-                qb[i] = static_cast<int16_t>(v[i]);
-                lb[i] = static_cast<int16_t>(l[i]);
-            }
         }
         r.sx[b] = sx;
         r.zq[b * kBlock / group] += static_cast<float>(sx * (static_cast<double>(qt) + static_cast<double>(lt) / unit));
