@@ -16,6 +16,13 @@
 //
 // gate/up: O = I (the expert's width), G * g = H; down: O = H, G * g = I.
 //
+// With 12 more inputs, the block's shared expert too (decode_shared_expert, for the decode graph):
+//   sg_w, sg_z, sg_s            u4 [1, G, g] (and zero points, scales [1, G, 1]): its gate's row
+//   sgate_*, sup_*, sdown_*     u4 [Is, G, g], [Is, G, g], [H, Gs, gs]: its three matrices
+//   y[t] += sigmoid(sg . x[t]) * sdown(silu(sgate(x[t])) * sup(x[t])), added after the routed
+//   experts' sum, for every row from `skip` on, on the integer products of Q16Linear (whatever
+//   the rows: meant for decode, where each row reads the matrices once). The same `nibbles`.
+//
 // How: rows are bucketed by expert. Stage 1, one task per (expert, 128 rows of gate and up): the
 // expert's token rows transposed once (xT: inputs x tokens, padded to 8 tokens), then, one slice
 // of inputs at a time (whole rows where the tile fits L2, else ~256 inputs: `slice_of`), the
@@ -495,8 +502,12 @@ public:
         constructor_validate_and_infer_types();
     }
 
+    static constexpr size_t kRouted = 13, kShared = 25;  // inputs without and with the shared expert
+
     void validate_and_infer_types() override {
-        NODE_VALIDATION_CHECK(this, get_input_size() == 13, "U4Experts takes x, idx, weights, skip and 3 x (w, z, s)");
+        NODE_VALIDATION_CHECK(this, get_input_size() == kRouted || get_input_size() == kShared,
+                              "U4Experts takes x, idx, weights, skip and 3 x (w, z, s), then optionally the shared expert's "
+                              "gate row and 3 x (w, z, s)");
         NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "x must be f32");
         const auto it = get_input_element_type(1);
         NODE_VALIDATION_CHECK(this, it == ov::element::i32 || it == ov::element::i64, "idx must be i32 or i64");
@@ -529,7 +540,39 @@ public:
         NODE_VALIDATION_CHECK(this, x.rank().is_static() && x.rank().get_length() == 2, "x must be [T, H]");
         NODE_VALIDATION_CHECK(this, x[1].compatible(static_cast<int64_t>(g[2] * g[3] * per_byte)) && x[1].compatible(static_cast<int64_t>(d[1])),
                               "x's width must be the experts' input and output width");
+        if (get_input_size() == kShared)
+            validate_shared(d[1]);
         set_output_type(0, ov::element::f32, x);
+    }
+
+    // The shared expert's inputs (13-24): four dense matrices [O, G, g] on Q16Linear's products.
+    void validate_shared(size_t H) {
+        size_t out[4], in[4];
+        for (size_t m = 0; m < 4; ++m) {
+            const size_t at = kRouted + 3 * m;
+            for (size_t j = 0; j < 3; ++j)
+                NODE_VALIDATION_CHECK(this, get_input_partial_shape(at + j).is_static(), "shared expert tensors must be static");
+            const auto wt = get_input_element_type(at), zt = get_input_element_type(at + 1), st = get_input_element_type(at + 2);
+            NODE_VALIDATION_CHECK(this, (wt == ov::element::u4 || wt == ov::element::u8) && (zt == ov::element::u4 || zt == ov::element::u8),
+                                  "shared expert weights and zero points must be u4 (or u8)");
+            NODE_VALIDATION_CHECK(this, !m_nibbles || wt == ov::element::u8, "with nibbles, the shared expert's weights are u8 bytes");
+            NODE_VALIDATION_CHECK(this, st == ov::element::f16 || st == ov::element::f32, "shared expert scales must be f16 or f32");
+            const auto ws = get_input_shape(at);
+            NODE_VALIDATION_CHECK(this, ws.size() == 3, "shared expert weights must be [O, G, g]");
+            const size_t group = ws[2] * (m_nibbles ? 2 : 1);
+            NODE_VALIDATION_CHECK(this, group % q16::kBlock == 0, "the shared expert's groups must be multiples of 128 inputs");
+            const ov::Shape group_shape{ws[0], ws[1], 1};
+            NODE_VALIDATION_CHECK(this, get_input_shape(at + 1) == group_shape && get_input_shape(at + 2) == group_shape,
+                                  "shared expert zero points and scales must be [O, G, 1]");
+            out[m] = ws[0];
+            in[m] = ws[1] * group;
+            NODE_VALIDATION_CHECK(this, !(m_nibbles || wt == ov::element::u4) || in[m] <= q16::kMaxInputs,
+                                  "u4 weights take at most 32768 inputs per row");
+        }
+        NODE_VALIDATION_CHECK(this, out[0] == 1 && in[0] == H, "the shared expert's gate is one row over x");
+        NODE_VALIDATION_CHECK(this, get_input_shape(kRouted + 3) == get_input_shape(kRouted + 6) && in[1] == H,
+                              "the shared expert's gate and up must have one shape, over x");
+        NODE_VALIDATION_CHECK(this, out[3] == H && in[3] == out[1], "the shared expert's down must map its width back to x's");
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
@@ -591,6 +634,18 @@ public:
         const bool split = splits(gate) && splits(up) && splits(down);
         const size_t E = inputs[4].get_shape()[0];
         const size_t I = gate.out;
+        // the shared expert (decode_shared_expert): its gate row, gate, up and down as Q16Linear weights
+        const bool shared = inputs.size() == kShared;
+        q16::Weights sw[4] = {};
+        if (shared)
+            for (size_t m = 0; m < 4; ++m) {
+                const ov::Tensor &w = inputs[kRouted + 3 * m], &z = inputs[kRouted + 3 * m + 1], &s = inputs[kRouted + 3 * m + 2];
+                const auto ws = w.get_shape();
+                sw[m] = {static_cast<const uint8_t*>(w.data()), static_cast<const uint8_t*>(z.data()), s.data(),
+                         m_nibbles || w.get_element_type() == ov::element::u4, z.get_element_type() == ov::element::u4,
+                         s.get_element_type() == ov::element::f16, ws[0], ws[1] * ws[2] * per_element(), ws[2] * per_element()};
+            }
+        const size_t Is = shared ? sw[1].N : 0;
 
         // bucket (row, slot) pairs by expert: order[start[e] .. start[e + 1])
         std::vector<size_t> start(E + 1, 0);
@@ -633,6 +688,18 @@ public:
         std::vector<q16::Row> xq(use_q16 ? T - skip : 0), aq(use_q16 ? ids.size() : 0);
         for (size_t t = 0; t < xq.size(); ++t)
             q16::quantize(xp + (skip + t) * H, H, gate.group, gate.w4, xq[t], m_residual);
+        // the shared expert's rows: x for its gate row and for gate and up, its act rows for down,
+        // and each row's sigmoid gate
+        std::vector<q16::Row> sx(shared ? T - skip : 0), sa(sx.size());
+        std::vector<float> sgate(sx.size()), sact(sx.size() * Is);
+        for (size_t t = 0; t < sx.size(); ++t) {
+            q16::Row xg;
+            q16::quantize(xp + (skip + t) * H, H, sw[0].group, sw[0].w4, xg, m_residual);
+            float v = 0.0f;
+            q16::dot(sw[0], 0, 1, xg, &v);
+            sgate[t] = 1.0f / (1.0f + std::exp(-v));
+            q16::quantize(xp + (skip + t) * H, H, sw[1].group, sw[1].w4, sx[t], m_residual);
+        }
         // bf16 tiles: the act columns of the tiled experts also as input pairs for down
         const bool bf = m_bf16 && bf16::supported() && H % 2 == 0 && I % 2 == 0 && gate.group % 2 == 0 && down.group % 2 == 0 &&
                         kGateRows % 2 == 0;
@@ -705,10 +772,12 @@ public:
         float* aS = aS_buffer.data();
 
         // stage 1: act = silu(x . gate^T) * (x . up^T), per (expert, kGateRows rows)
-        const size_t tiles = (I + kGateRows - 1) / kGateRows;
+        // (then the shared expert's rows, kGateRows a task, after the routed experts' tasks)
+        const size_t tiles = (I + kGateRows - 1) / kGateRows, routed = present.size() * tiles;
+        const size_t shared_tasks = (Is + kGateRows - 1) / kGateRows;
         static std::atomic<uint64_t> calls{0};
         const uint64_t call = ++calls;  // names this call's bf16 token columns in a thread's cache
-        tbb::parallel_for(tbb::blocked_range<size_t>(0, present.size() * tiles), [&](const tbb::blocked_range<size_t>& r) {
+        tbb::parallel_for(tbb::blocked_range<size_t>(0, routed + shared_tasks), [&](const tbb::blocked_range<size_t>& r) {
             thread_local std::vector<float> tile, g, u, zero, scales, dacc;
             thread_local AlignedVector<float> xT;  // AMX tiles load from it and from tile16
             thread_local AlignedVector<uint16_t> tile16;
@@ -736,12 +805,26 @@ public:
                 tile.resize(kGateRows * std::max(slice_of(gate, 4), slice_of(up, 4)));
             }
             const auto prefetch_task = [&](size_t task) {
+                if (task >= routed)
+                    return;
                 const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
                 prefetch_slice(gate, e, r0, nr);
                 prefetch_slice(up, e, r0, nr);
             };
             prefetch_task(r.begin());
             for (size_t task = r.begin(); task != r.end(); ++task) {
+                if (task >= routed) {  // rows r0 .. r0 + nr of the shared expert's gate and up, every row of x
+                    const size_t r0 = (task - routed) * kGateRows, nr = std::min(kGateRows, Is - r0);
+                    g.resize(kGateRows);
+                    u.resize(kGateRows);
+                    for (size_t t = 0; t < sx.size(); ++t) {
+                        q16::dot(sw[1], r0, nr, sx[t], g.data());
+                        q16::dot(sw[2], r0, nr, sx[t], u.data());
+                        for (size_t c = 0; c < nr; ++c)
+                            sact[t * Is + r0 + c] = silu(g[c]) * u[c];
+                    }
+                    continue;
+                }
                 const size_t e = present[task / tiles], r0 = (task % tiles) * kGateRows, nr = std::min(kGateRows, I - r0);
                 const size_t b = start[e], m = start[e + 1] - b;
                 if (task + 1 != r.end())
@@ -854,6 +937,8 @@ public:
             if (q8[e])
                 int8::sum_groups(aP + aoff[e] / int8::kGroup, I, down.group, ld[e], lanes[e], aS + aoff[e] / down.group);
 
+        for (size_t t = 0; t < sx.size(); ++t)  // the shared expert's act rows, rounded for its down
+            q16::quantize(sact.data() + t * Is, Is, sw[3].group, sw[3].w4, sa[t], m_residual);
         if (use_q16)  // the direct experts' act rows, rounded for down
             for (size_t e : present)
                 if (start[e + 1] - start[e] <= kDirect)
@@ -919,6 +1004,12 @@ public:
                         for (size_t c = 0; c < nc; ++c)
                             dst[c] += w * out[c * n + i];
                     }
+                }
+                for (size_t t = 0; t < sx.size(); ++t) {  // the shared expert, after the routed experts' sum
+                    q16::dot(sw[3], c0, nc, sa[t], out.data());
+                    float* dst = y + (skip + t) * H + c0;
+                    for (size_t c = 0; c < nc; ++c)
+                        dst[c] += sgate[t] * out[c];
                 }
             }
         });

@@ -159,6 +159,8 @@ DECODE_GRAPH = "decode_graph"
 # engine does not report it.
 DECODE_ATTENTION = "native_decode_attention"
 
+DECODE_SHARED_EXPERT = "decode_shared_expert"
+
 # The routed experts' prefill tiles on bf16 dot products (kernels/native_experts.py: bf16_tiles):
 # applied after the rewrites when `native_experts` is on, the plugin runs the model in bf16 (its
 # default on an AVX512-BF16 CPU, unless the profile sets INFERENCE_PRECISION_HINT) and the CPU has
@@ -206,8 +208,8 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 # Each rewrite's default when the profile's [kernels] table does not name it.
 _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
-KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, EXPERTS_BF16, EXPERTS_INT8, Q16_BF16,
-                           Q16_TAIL_TILES})
+KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, DECODE_SHARED_EXPERT, EXPERTS_BF16,
+                           EXPERTS_INT8, Q16_BF16, Q16_TAIL_TILES})
 
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention",
@@ -231,7 +233,7 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
     if decode_graph and not profile.kernels.get("q16_decode", _KERNELS["q16_decode"][1]):
         raise ValueError(f"profile {profile.name}: kernel {DECODE_GRAPH} is q16_decode's decode graph; "
                          "turn q16_decode on in [kernels] too")
-    applied, decode, decode_attention = [], None, False
+    applied, decode, decode_attention, shared_expert = [], None, False, False
     # the q16 products without the activations' residual (Q16_BF16)
     residual = not (profile.kernels.get(Q16_BF16, False) and _plugin_bf16(core, profile))
     # the prefill tail rows on the op's bf16 tiles (Q16_TAIL_TILES)
@@ -253,6 +255,10 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
 
                     decode = native_decode_attention.apply(decode)
                     decode_attention = True
+                if profile.kernels.get(DECODE_SHARED_EXPERT, False):
+                    from kernels import decode_shared_expert
+
+                    shared_expert = decode_shared_expert.apply(decode) > 0
             model = (rewrite(model, residual=residual, tail_tiles=tail_tiles, tile_int8=int8) if name == "q16_decode"
                      else rewrite(model))
             applied.append(name)
@@ -260,6 +266,8 @@ def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any
         applied.append(DECODE_GRAPH)
         if decode_attention:
             applied.append(DECODE_ATTENTION)
+        if shared_expert:
+            applied.append(DECODE_SHARED_EXPERT)
     if not residual and "q16_decode" in applied:
         applied.append(Q16_BF16)
     if tail_tiles and "q16_decode" in applied:
