@@ -151,7 +151,8 @@ def apply(model: Any) -> int:
         fused.set_friendly_name(f"{experts.get_friendly_name()}/{NAME}")
         shape = add.get_output_partial_shape(0)
         if not shape.is_static:
-            raise RewriteError(f"{add.get_friendly_name()}: the MoE block's sum has no static shape (pin the decode graph first)")
+            raise RewriteError(f"{add.get_friendly_name()}: the MoE block's sum has no static shape "
+                               "(pin the decode graph to one token first)")
         y = op.reshape(fused.output(0), op.constant(np.array([d.get_length() for d in shape], np.int64)), False)
         for target in list(add.output(0).get_target_inputs()):
             target.replace_source_output(y.output(0))
