@@ -132,7 +132,7 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), vunit = _mm256_set1_ps(unit);
     const __m256i byte = _mm256_set1_epi32(0xFF);
     alignas(32) int32_t v[kBlock], l[kBlock];
-    const size_t chunk = nibbles && use_zmm() ? 128 : 64;  // u4_at's
+    const bool zmm = nibbles && use_zmm();
     for (size_t b = 0; b < K / kBlock; ++b) {
         const float* xb = x + b * kBlock;
         __m256 mv = _mm256_setzero_ps();
@@ -161,8 +161,8 @@ inline void quantize(const float* x, size_t K, size_t group, bool nibbles, Row& 
             for (size_t i = 0; i < kBlock; i += 16) {
                 __m256 half[2];
                 even_odd(xb + i, half[0], half[1]);
-                for (size_t h = 0; h < 2; ++h) {  // the even inputs from u4_at(i), the odd ones half a chunk on
-                    const size_t at = (i & ~(chunk - 1)) + h * (chunk / 2) + ((i & (chunk - 1)) >> 1);
+                for (size_t h = 0; h < 2; ++h) {  // inputs i + h, i + h + 2, .. are consecutive from u4_at(i + h)
+                    const size_t at = u4_at(i + h, zmm);
                     __m256i vi, li;
                     terms(half[h], vi, li);
                     _mm_storel_epi64(reinterpret_cast<__m128i*>(hb + at), low_bytes(_mm256_srai_epi32(vi, 8)));

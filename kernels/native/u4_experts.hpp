@@ -692,13 +692,15 @@ public:
         // and each row's sigmoid gate
         std::vector<q16::Row> sx(shared ? T - skip : 0), sa(sx.size());
         std::vector<float> sgate(sx.size()), sact(sx.size() * Is);
+        const bool same_rounding = sw[0].group == sw[1].group && sw[0].w4 == sw[1].w4;  // gate row and gate alike
         for (size_t t = 0; t < sx.size(); ++t) {
-            q16::Row xg;
-            q16::quantize(xp + (skip + t) * H, H, sw[0].group, sw[0].w4, xg, m_residual);
-            float v = 0.0f;
-            q16::dot(sw[0], 0, 1, xg, &v);
-            sgate[t] = 1.0f / (1.0f + std::exp(-v));
             q16::quantize(xp + (skip + t) * H, H, sw[1].group, sw[1].w4, sx[t], m_residual);
+            q16::Row xg;
+            if (!same_rounding)
+                q16::quantize(xp + (skip + t) * H, H, sw[0].group, sw[0].w4, xg, m_residual);
+            float v = 0.0f;
+            q16::dot(sw[0], 0, 1, same_rounding ? sx[t] : xg, &v);
+            sgate[t] = 1.0f / (1.0f + std::exp(-v));
         }
         // bf16 tiles: the act columns of the tiled experts also as input pairs for down
         const bool bf = m_bf16 && bf16::supported() && H % 2 == 0 && I % 2 == 0 && gate.group % 2 == 0 && down.group % 2 == 0 &&
