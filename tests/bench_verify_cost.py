@@ -19,7 +19,14 @@ weights. This prints both sides for the model given:
   the byte model's cost and at the measured one (null: not even with every draft accepted).
 
 Independent draws are the worst case for the union; adjacent tokens' routing correlates on real
-text, which a random-weight dev model cannot show. docs/perf-log.md session 39 has the figures.
+text, which a random-weight dev model cannot show.
+
+`--lookup-tokens N` also generates N greedy tokens for each gate prompt class and replays prompt
+lookup over them (the draft: the k - 1 tokens that followed the most recent earlier occurrence of
+the last n tokens, n from `--ngram`'s largest down to its smallest; greedy verification accepts
+exactly the drafted tokens equal to the greedy continuation), reporting tokens per call and the
+share of drafted tokens accepted. On a random-weight model that says nothing about real text;
+it says what a gate on these models would credit. docs/perf-log.md session 39 has the figures.
 """
 
 from __future__ import annotations
@@ -55,6 +62,34 @@ def acceptance_for(speedup: float, bytes_ratio: float, k: int) -> float | None:
     return hi
 
 
+def lookup_replay(prompt: list[int], generated: list[int], k: int, ngram: tuple[int, int]) -> dict[str, float]:
+    """Prompt lookup with verification calls of k positions replayed over a known greedy output:
+    calls made, tokens drafted and drafted tokens accepted."""
+    seq = list(prompt) + list(generated)
+    pos, calls, drafted, accepted = len(prompt), 0, 0, 0
+    lo, hi = ngram
+    while pos < len(seq):
+        draft: list[int] = []
+        for n in range(hi, lo - 1, -1):
+            if pos < n + 1:
+                continue
+            tail = seq[pos - n:pos]
+            for start in range(pos - n - 1, -1, -1):  # the most recent earlier occurrence
+                if seq[start:start + n] == tail:
+                    draft = seq[start + n:min(start + n + k - 1, pos)]
+                    break
+            if draft:
+                break
+        ok = 0
+        while ok < len(draft) and pos + ok < len(seq) and draft[ok] == seq[pos + ok]:
+            ok += 1
+        calls += 1
+        drafted += len(draft)
+        accepted += ok
+        pos += ok + 1  # the accepted drafts and the model's own next token
+    return {"calls": calls, "tokens": len(generated), "drafted": drafted, "accepted": accepted}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="dev-bench", metavar="NAME_OR_DIR")
@@ -63,13 +98,19 @@ def main() -> int:
     p.add_argument("--ks", default="1,2,3,4,6,8", help="tokens per call, comma-separated (default: 1,2,3,4,6,8)")
     p.add_argument("--steps", type=int, default=10, help="calls per series, two of them untimed (default: 10)")
     p.add_argument("--rounds", type=int, default=2, help="prompts, each with every series (default: 2)")
+    p.add_argument("--lookup-tokens", type=int, default=0,
+                   help="greedy tokens per prompt class to replay prompt lookup over (default: 0, none)")
+    p.add_argument("--ngram", default="1,3", help="prompt lookup's n-gram sizes, min,max (default: 1,3)")
     args = p.parse_args()
     ks = [int(v) for v in args.ks.split(",") if v.strip()]
     if args.steps < 3 or any(k < 1 for k in ks):
         p.error("--steps must be >= 3 and every k >= 1")
+    ngram = tuple(int(v) for v in args.ngram.split(","))
+    if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1]:
+        p.error("--ngram takes min,max with 1 <= min <= max, e.g. 1,3")
 
     from iq36.cli import resolve_model
-    from iq36.gate.prompts import build
+    from iq36.gate.prompts import CLASSES, build
     from iq36.gate.roofline import bytes_per_token
     from iq36.profile import load
     from worker.engine.candidate import CandidateEngine
@@ -124,6 +165,16 @@ def main() -> int:
                     series.append(timed(engine._prefill_request, rng.integers(vocab, size=k).astype(np.int64), past))
                     past += k
                 times.setdefault(f"prefill_{k}", []).extend(series[2:])
+        outputs = {}
+        for prompt_class in CLASSES if args.lookup_tokens > 0 else ():
+            prompt = build(lambda t: tokenizer.encode(t, add_special_tokens=False), args.context, prompt_class,
+                           salt="verify:lookup").ids
+            engine._reset_state()
+            logits, generated = engine._infer(np.asarray(prompt, dtype=np.int64), 0), []
+            while len(generated) < args.lookup_tokens:
+                generated.append(int(np.argmax(logits)))
+                logits = engine._infer(np.array([generated[-1]], dtype=np.int64), len(prompt) + len(generated) - 1)
+            outputs[prompt_class] = (prompt, generated)
     finally:
         engine.close()
 
@@ -142,6 +193,15 @@ def main() -> int:
                           "bytes_over_step": round(ratio, 2),
                           "acceptance_for_2x_at_bytes": None if need is None else round(need, 3),
                           "acceptance_for_2x_measured": None if need_measured is None else round(need_measured, 3)}))
+    for prompt_class, (prompt, generated) in outputs.items():
+        for k in ks:
+            if k < 2:
+                continue
+            r = lookup_replay(prompt, generated, k, ngram)
+            print(json.dumps({"lookup": prompt_class, "k": k, "ngram": list(ngram), **r,
+                              "tokens_per_call": round(r["tokens"] / r["calls"], 2),
+                              "draft_acceptance": round(r["accepted"] / r["drafted"], 3) if r["drafted"] else None,
+                              "distinct_generated": len(set(generated))}))
     return 0
 
 
