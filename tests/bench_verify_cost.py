@@ -62,7 +62,7 @@ def acceptance_for(speedup: float, bytes_ratio: float, k: int) -> float | None:
     return hi
 
 
-def lookup_replay(prompt: list[int], generated: list[int], k: int, ngram: tuple[int, int]) -> dict[str, float]:
+def lookup_replay(prompt: list[int], generated: list[int], k: int, ngram: tuple[int, int]) -> dict[str, int]:
     """Prompt lookup with verification calls of k positions replayed over a known greedy output:
     calls made, tokens drafted and drafted tokens accepted."""
     seq = list(prompt) + list(generated)
