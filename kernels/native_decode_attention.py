@@ -118,7 +118,7 @@ class KvStore:
         lib = ctypes.CDLL(str(native.library()))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.iq36_kv_length.argtypes, lib.iq36_kv_length.restype = [i64, i64], i64
-        for name in ("iq36_kv_read", "iq36_kv_write"):
+        for name in ("iq36_kv_read", "iq36_kv_write", "iq36_kv_write_f32"):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = [i64, i64, ptr, ptr, i64, i64, i64], ctypes.c_int
         lib.iq36_kv_drop.argtypes, lib.iq36_kv_drop.restype = [i64], None
@@ -144,22 +144,26 @@ class KvStore:
         return states
 
     def write(self, states: Mapping[str, np.ndarray]) -> None:
-        """Set every cache from packed arrays by variable id. Raises ValueError, before touching
-        anything, unless `states` holds every cache in its shape (a partial restore would leave
-        layers at other lengths)."""
+        """Set every cache from arrays by variable id, in either form: packed u8 [1, Hkv, L, row]
+        (copied) or f32 [1, Hkv, L, D] (a prefill graph's state: quantised natively, row by row as
+        the op quantises its own tokens, so bit for bit `pack`). Raises ValueError, before touching
+        anything, unless `states` holds every cache in one of its shapes (a partial restore would
+        leave layers at other lengths)."""
         missing = sorted(self.variables - states.keys())
         if missing:
             raise ValueError(f"snapshot does not match the decode graph's KV caches: missing {missing}")
         arrays = []
         for s in self.layers:
             k, v = (np.ascontiguousarray(states[name]) for name in (s.key, s.value))
-            want = (1, s.heads, k.shape[2] if k.ndim == 4 else -1, s.row)
-            if k.dtype != np.uint8 or v.dtype != np.uint8 or k.shape != want or v.shape != want:
-                raise ValueError(f"KV cache {s.key}: {k.dtype} {k.shape} / {v.dtype} {v.shape}, "
-                                 f"expected packed u8 [1, {s.heads}, L, {s.row}]")
+            size = s.row if k.dtype == np.uint8 else s.row - EXTRA
+            want = (1, s.heads, k.shape[2] if k.ndim == 4 else -1, size)
+            if k.dtype not in (np.uint8, np.float32) or v.dtype != k.dtype or k.shape != want or v.shape != want:
+                raise ValueError(f"KV cache {s.key}: {k.dtype} {k.shape} / {v.dtype} {v.shape}, expected packed "
+                                 f"u8 [1, {s.heads}, L, {s.row}] or f32 [1, {s.heads}, L, {s.row - EXTRA}]")
             arrays.append((s, k, v))
         for s, k, v in arrays:
-            if self._lib.iq36_kv_write(self.id, s.slot, k.ctypes.data, v.ctypes.data, s.heads, k.shape[2], s.row):
+            fn = self._lib.iq36_kv_write if k.dtype == np.uint8 else self._lib.iq36_kv_write_f32
+            if fn(self.id, s.slot, k.ctypes.data, v.ctypes.data, s.heads, k.shape[2], k.shape[3]):
                 raise RuntimeError(f"writing KV store slot {s.slot} failed")
 
     def drop(self) -> None:

@@ -199,6 +199,30 @@ def test_the_store_grows_in_place_and_rewinds() -> None:
         layer.store.drop()
 
 
+def test_store_write_quantises_f32_rows_as_pack() -> None:
+    """f32 caches (a prefill graph's state) written to the store read back as `pack` of them, bit
+    for bit, at lengths across the native write's tasks of 256 rows; a step after them attends to
+    them as after the packed form's write."""
+    kv, group, size = 2, 4, 64
+    rng = np.random.default_rng(5)
+    layer = _Op(kv * group, kv, size)
+    q = rng.standard_normal((1, kv * group, 1, size)).astype(np.float32)
+    k1, v1 = (_rows(rng, (1, kv, 1, size)) for _ in range(2))
+    try:
+        for n in (0, 1, 255, 256, 700):
+            ks, vs = (_rows(rng, (1, kv, n, size)) for _ in range(2))
+            ks[:, :, :1] = 0.5  # a constant row: the zero-range scale
+            layer.store.write({"k": ks, "v": vs})
+            cache = layer.store.read(max_bytes=1 << 40)
+            assert cache is not None
+            assert np.array_equal(cache["k"], nda.pack(ks)) and np.array_equal(cache["v"], nda.pack(vs)), n
+            after_f32 = layer(q, k1, v1, n)
+            layer.store.write({"k": nda.pack(ks), "v": nda.pack(vs)})
+            assert np.array_equal(layer(q, k1, v1, n), after_f32), n
+    finally:
+        layer.store.drop()
+
+
 def test_store_write_refuses_what_is_not_its_caches() -> None:
     """A missing cache or another shape or dtype is refused before anything is written."""
     layer = _Op(4, 2, 32)
@@ -210,6 +234,10 @@ def test_store_write_refuses_what_is_not_its_caches() -> None:
             layer.store.write({"k": good, "v": good[:, :, :4]})
         with pytest.raises(ValueError, match="expected packed u8"):
             layer.store.write({"k": good, "v": nda.unpack(good)})
+        with pytest.raises(ValueError, match=r"or f32 \[1, 2, L, 32\]"):
+            layer.store.write({"k": nda.unpack(good), "v": nda.unpack(good).astype(np.float64)})
+        with pytest.raises(ValueError, match="expected packed u8"):
+            layer.store.write({"k": nda.unpack(good)[..., :16], "v": nda.unpack(good)[..., :16]})
         assert layer.store.read(max_bytes=1 << 40)["k"].shape == (1, 2, 0, 40)  # nothing written
     finally:
         layer.store.drop()

@@ -181,6 +181,16 @@ def test_snapshot_copies_every_variable() -> None:
     assert states["a"][0] == 0
 
 
+def test_snapshot_without_copy_gives_views() -> None:
+    """copy=False (the engine's move between its graphs): the state's own memory, not a copy."""
+    req = _FakeRequest({"a": 10, "b": 20})
+    states = snapshot(req, max_bytes=30, copy=False)
+    assert states is not None and {k: v.nbytes for k, v in states.items()} == {"a": 10, "b": 20}
+    req.variables[0].state.data[0] = 1
+    assert states["a"][0] == 1
+    assert snapshot(req, max_bytes=29, copy=False) is None
+
+
 def test_snapshot_stops_copying_past_the_budget() -> None:
     req = _FakeRequest({"a": 10, "b": 1000, "c": 10})
     assert snapshot(req, max_bytes=500) is None

@@ -141,12 +141,14 @@ class PrefixStateCache:
         self.evictions += 1
 
 
-def snapshot(request: Any, max_bytes: int) -> States | None:
+def snapshot(request: Any, max_bytes: int, copy: bool = True) -> States | None:
     """Copies of every state variable of an OpenVINO InferRequest, or None past `max_bytes`.
 
     Variables are copied one at a time and the copy stops as soon as the total would exceed
     `max_bytes`, so a state too large to keep (a 131k-token KV of the real model is GBs) is
-    never copied whole only to be dropped.
+    never copied whole only to be dropped. `copy=False`: views of the request's state tensors
+    instead (each keeps its tensor alive), valid until the request runs or resets: for moving a
+    state straight into another request, whose restore copies it.
     """
     states: States = {}
     total = 0
@@ -155,7 +157,7 @@ def snapshot(request: Any, max_bytes: int) -> States | None:
         total += int(tensor.byte_size)
         if total > max_bytes:
             return None
-        states[variable.name] = np.array(tensor.data, copy=True)
+        states[variable.name] = np.array(tensor.data, copy=copy)
     return states
 
 
