@@ -94,3 +94,52 @@ def test_genai_renders_the_same_chat_template(tiny_dir: Path, tokenizers) -> Non
     tok = openvino_genai.Tokenizer(str(tiny_dir))
     got = tok.apply_chat_template(messages, add_generation_prompt=True)
     assert got == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _model_dir_copy(src: Path, dst: Path, tokenizer_json: dict | None) -> Path:
+    """`src` linked file by file into `dst`, with tokenizer.json replaced (None: left out)."""
+    import json
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer.json":
+            (dst / f.name).symlink_to(f)
+    if tokenizer_json is not None:
+        (dst / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    return dst
+
+
+def test_model_tokenizer_decodes_as_genais_detokenizer(tiny_dir: Path) -> None:
+    """The fast decoder (tokenizer.json) is taken on dev-tiny and gives genai's text for random id
+    sequences over the whole logits range, added tokens among them, both ways of skipping."""
+    from worker.tokenizer import ModelTokenizer, read_vocab_size
+
+    tok = ModelTokenizer(tiny_dir)
+    assert tok._fast is not None
+    rng = np.random.default_rng(7)
+    added = sorted(tok._fast.get_added_tokens_decoder())
+    vocab = read_vocab_size(tiny_dir)
+    assert vocab is not None and vocab > max(added)
+    for i in range(300):
+        ids = [int(t) for t in rng.integers(0, vocab, 1 + i % 30)] + [added[i % len(added)]]
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == str(tok._tok.decode(ids, skip_special_tokens=skip)), (ids, skip)
+    assert tok.decode([], True) == ""
+
+
+def test_model_tokenizer_keeps_genai_where_tokenizer_json_decodes_otherwise(tiny_dir: Path, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A tokenizer.json whose decoder differs (no byte-level decoding), or none at all: genai decodes."""
+    import json
+
+    from worker.tokenizer import ModelTokenizer
+
+    spec = json.loads((tiny_dir / "tokenizer.json").read_text())
+    spec["decoder"] = None
+    odd = ModelTokenizer(_model_dir_copy(tiny_dir, tmp_path / "odd", spec))
+    assert odd._fast is None and "unlike openvino-genai's detokenizer" in caplog.text
+    assert ModelTokenizer(_model_dir_copy(tiny_dir, tmp_path / "none", None))._fast is None
+    plain = ModelTokenizer(tiny_dir)
+    ids = list(range(1000, 1040))
+    assert odd.decode(ids) == str(plain._tok.decode(ids, skip_special_tokens=True)) == plain.decode(ids)
