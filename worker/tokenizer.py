@@ -10,19 +10,10 @@ else `config.json`, else the tokenizer's own EOS token.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
-
-# Decoding: `tokenizers` (the model dir's tokenizer.json, Rust: ~2 us for a detokenizer window)
-# where it decodes as genai's detokenizer (an OpenVINO model: ~120-180 us a call on the Zen 4
-# EPYC, ~0.4 ms in the decode loop, 1.6% of a dev-bench decode step). Checked at load on
-# PROBES random id sequences (every id of the model's logits, the added tokens among them),
-# both ways of skipping special tokens; any difference keeps genai's.
-PROBES = 64
 
 def _as_id_list(value: object) -> list[int]:
     if value is None:
@@ -62,14 +53,13 @@ def read_vocab_size(model_dir: Path) -> int | None:
 
 
 class ModelTokenizer:
-    """openvino-genai's tokenizer for one model dir, with the dir's EOS ids (decoding: see PROBES)."""
+    """openvino-genai's tokenizer for one model dir, with the dir's EOS ids."""
 
     def __init__(self, model_dir: Path) -> None:
         import openvino_genai
 
         self.model_dir = Path(model_dir)
         self._tok = openvino_genai.Tokenizer(str(self.model_dir))
-        self._fast = self._fast_decoder()
         eos = read_eos_token_ids(self.model_dir)
         if not eos:
             own = int(self._tok.get_eos_token_id())
@@ -83,36 +73,7 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if not ids:
             return ""
-        if self._fast is not None:
-            return str(self._fast.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens))
-
-    def _fast_decoder(self) -> Any:
-        """tokenizer.json's decoder if it decodes the PROBES as genai's detokenizer does, else None."""
-        path = self.model_dir / "tokenizer.json"
-        if not path.is_file():
-            return None
-        import numpy as np
-        from tokenizers import Tokenizer
-
-        try:
-            fast = Tokenizer.from_file(str(path))
-        except Exception as exc:  # a tokenizer.json this `tokenizers` cannot read: genai decodes
-            log.warning("%s: %s; decoding with openvino-genai's detokenizer", path, exc)
-            return None
-        vocab = max(read_vocab_size(self.model_dir) or 0, fast.get_vocab_size(with_added_tokens=True))
-        rng = np.random.default_rng(0)
-        added = sorted(fast.get_added_tokens_decoder())
-        for i in range(PROBES):
-            ids = [int(t) for t in rng.integers(0, vocab, 1 + i % 24)] + added[i::PROBES]
-            rng.shuffle(ids)
-            for skip in (True, False):
-                want = str(self._tok.decode(ids, skip_special_tokens=skip))
-                if fast.decode(ids, skip_special_tokens=skip) != want:
-                    log.warning("%s decodes %s (skip_special_tokens=%s) unlike openvino-genai's detokenizer; "
-                                "decoding with the latter", path, ids, skip)
-                    return None
-        return fast
 
     def apply_chat_template(
         self,
