@@ -13,22 +13,20 @@ plugin's compressed matmuls stepping at every multiple of 64 rows with it (docs/
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import numpy as np
 
+from tests.helpers import bench_lengths, bench_parser
+
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="dev-bench", metavar="NAME_OR_DIR")
-    p.add_argument("--profile", default="cpu", metavar="NAME_OR_PATH")
-    p.add_argument("--lengths", default="256,257", help="comma-separated prompt lengths (default: 256,257)")
+    p = bench_parser(__doc__, "256,257")
     p.add_argument("--runs", type=int, default=3, help="timed prefills per length (default: 3)")
     p.add_argument("--top", type=int, default=6, help="op types listed per length (default: 6)")
     args = p.parse_args()
-    lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
+    lengths = bench_lengths(args)
 
     import msgspec
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -141,3 +142,17 @@ WEATHER_SCHEMA: dict[str, Any] = {
     "required": ["city", "days", "unit"],
     "additionalProperties": False,
 }
+
+
+def bench_parser(doc: str | None, lengths: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: --model, --profile and --lengths (comma-separated, `lengths`
+    by default; `bench_lengths` reads them back)."""
+    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    p.add_argument("--model", default="dev-bench", metavar="NAME_OR_DIR")
+    p.add_argument("--profile", default="cpu", metavar="NAME_OR_PATH")
+    p.add_argument("--lengths", default=lengths, help=f"comma-separated prompt lengths (default: {lengths})")
+    return p
+
+
+def bench_lengths(args: argparse.Namespace) -> list[int]:
+    return [int(v) for v in args.lengths.split(",") if v.strip()]
