@@ -126,6 +126,8 @@ class IrVocabulary:
         return cls(chars.tobytes(), begins.tolist(), ends.tolist(), frozenset(skip.tolist()))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str | None:
+        if not ids:
+            return ""
         if min(ids) < 0 or max(ids) >= self.size:
             return None
         data, begins, ends = self._data, self._begins, self._ends
