@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,10 +93,7 @@ class IrVocabulary:
         try:
             root = ET.parse(xml).getroot()
             layers = {layer.get("id"): layer for layer in root.iter("layer")}
-            kinds: dict[str, int] = {}
-            for layer in layers.values():
-                kinds[layer.get("type", "")] = kinds.get(layer.get("type", ""), 0) + 1
-            if kinds != cls._LAYERS:
+            if Counter(layer.get("type") for layer in layers.values()) != cls._LAYERS:
                 return None
             by_type = {layer.get("type"): layer for layer in layers.values()}
             vocab, validate = by_type["VocabDecoder"], by_type["UTF8Validate"]
