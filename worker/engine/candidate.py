@@ -30,6 +30,7 @@ extra (short) inference per request compared with chunking from p.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -189,6 +190,15 @@ Q16_BF16 = "q16_bf16"
 # nothing and the engine does not report it.
 Q16_TAIL_TILES = "q16_tail_tiles"
 
+# Every page of the weights file's mappings brought into the process at load (worker/resident.py:
+# madvise MADV_POPULATE_READ), so no token waits on the disk for a page of the embedding table or
+# of a rarely routed expert that the kernel had dropped from its cache: where the device is the
+# CPU (whose plugin reads the weights where the file is mapped); elsewhere the switch does nothing
+# and the engine does not report it. dev-bench, the weights file evicted from the page cache
+# before each process: decode steps 28.4-29.7 -> 23.7-27.0 ms (20 major faults in 40 steps -> 0),
+# 1.1 s at load (docs/perf-log.md, session 44).
+RESIDENT_WEIGHTS = "resident_weights"
+
 # Rewrites that pay off only for chunks of many tokens: applied to a clone of the main model
 # (after its rewrites; the clone shares the weights) compiled as a model of its own for prefill
 # chunks (> 1 token), while single tokens (decode) run the main or the decode graph (with both,
@@ -209,7 +219,7 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
 KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, DECODE_SHARED_EXPERT, EXPERTS_BF16,
-                           EXPERTS_INT8, Q16_BF16, Q16_TAIL_TILES})
+                           EXPERTS_INT8, Q16_BF16, Q16_TAIL_TILES, RESIDENT_WEIGHTS})
 
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention",
@@ -409,6 +419,8 @@ class CandidateEngine:
         else:
             self._compiled = core.compile_model(model, profile.engine.device, properties)
             self._request = self._compiled.create_infer_request()
+        if profile.kernels.get(RESIDENT_WEIGHTS, False) and profile.engine.device.upper() == "CPU":
+            self._make_resident()
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
         self._calls: dict[int, int] = {}  # inferences per infer request (`stateful_feed`'s `call`)
         self._queue: deque[EngineRequest] = deque()
@@ -421,6 +433,17 @@ class CandidateEngine:
         marker = self.tokenizer.encode("<|im_start|>", add_special_tokens=False)
         self._turn_marker = marker[0] if len(marker) == 1 else None
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request (~2-4 s)
+
+    def _make_resident(self) -> None:
+        """RESIDENT_WEIGHTS: every page of the compiled graphs' weights file in the process."""
+        from worker import resident
+
+        path = self.model_dir / "openvino_model.bin"
+        start = time.perf_counter()
+        done = resident.populate(path)
+        if done:
+            self.kernels.append(RESIDENT_WEIGHTS)
+            log.info("weights resident: %.2f GB of %s in %.2f s", done / 1e9, path.name, time.perf_counter() - start)
 
     # -- contract --------------------------------------------------------------------------
 
