@@ -5,9 +5,9 @@ constants where they lie in that mapping. A page enters the process only when so
 reads it, and until then the kernel may drop it from the page cache at any time (under memory
 pressure, or by a proactive reclaimer: the development VMs page out unmapped file pages after a
 minute unread). The embedding table is the part that stays unread longest: a decode step reads
-one row, so a token first generated after such an eviction waits on the disk (a major fault,
-6-9 ms on the development VM against a 23-26 ms step; docs/perf-log.md, session 44), and on the
-real model so does the first request to route to a rarely chosen expert.
+one row, so a token first generated after such an eviction waits on the disk (a major fault:
+`dev-bench` decode steps of 26-37 ms against 21-30 on the development VM; docs/perf-log.md,
+session 44), and on the real model so does the first request routed to a rarely chosen expert.
 
 `populate` maps every page of the file's mappings into the process up front with
 madvise(MADV_POPULATE_READ) (Linux 5.14 and later): one sequential read at load instead of
