@@ -54,3 +54,37 @@ def test_jitter_drops_warmup_and_reads_tail() -> None:
     assert jitter([1.0] * 16 + steady) == pytest.approx(1.0)
     spiky = [0.01] * 90 + [0.05] * 10
     assert jitter([0.01] * 16 + spiky) > 1.25
+
+
+def _runs(engine: str, rates: dict[str, float]) -> list[dict[str, object]]:
+    return [{"engine": engine, "session": s, "prefill_tok_s": rate} for s, rate in rates.items()]
+
+
+def test_near_boundary_pairs_each_session_with_its_own_exact_runs() -> None:
+    from iq36.gate.report import near_boundary
+
+    # the machine slowed during session c's near-boundary run only; sessions d and e ran slow throughout
+    exact = _runs("candidate", {"a": 1000.0, "b": 1000.0, "c": 1000.0, "d": 700.0, "e": 700.0})
+    near = [{**r, "length": 513} for r in _runs("candidate", {"a": 950.0, "b": 950.0, "c": 500.0, "d": 665.0,
+                                                              "e": 665.0})]
+    exact += _runs("stock", {"f": 400.0, "g": 400.0})
+    near += [{**r, "length": 513} for r in _runs("stock", {"f": 300.0, "g": 340.0})]
+    (entry,) = near_boundary(near, exact)
+    assert entry["length"] == 513
+    assert entry["candidate_vs_bucket"] == pytest.approx(665.0 / 1000.0)  # medians of unpaired runs
+    assert entry["candidate_vs_bucket_paired"] == pytest.approx(0.95) and entry["candidate_pairs"] == 5
+    assert entry["cliff"] is False  # read from the paired ratio
+    assert entry["baseline_vs_bucket_paired"] == pytest.approx(0.8) and entry["baseline_pairs"] == 2
+    assert entry["baseline_vs_bucket"] == pytest.approx(320.0 / 400.0)
+
+
+def test_near_boundary_flags_a_cliff_and_falls_back_to_medians_without_pairs() -> None:
+    from iq36.gate.report import near_boundary
+
+    exact = _runs("candidate", {"a": 1000.0, "b": 1000.0})
+    paired = near_boundary([{**r, "length": 257} for r in _runs("candidate", {"a": 880.0, "b": 890.0})], exact)
+    assert paired[0]["candidate_vs_bucket_paired"] == pytest.approx(0.885) and paired[0]["cliff"] is True
+    unpaired = near_boundary([{**r, "length": 257} for r in _runs("candidate", {"x": 950.0})], exact)
+    assert unpaired[0]["candidate_vs_bucket_paired"] is None and unpaired[0]["candidate_pairs"] == 0
+    assert unpaired[0]["candidate_vs_bucket"] == pytest.approx(0.95) and unpaired[0]["cliff"] is False
+    assert unpaired[0]["baseline_vs_bucket"] is None and unpaired[0]["baseline_vs_bucket_paired"] is None
