@@ -97,10 +97,11 @@ def near_boundary(near: list[dict[str, Any]], exact: list[dict[str, Any]]) -> li
     the length's runs over the median of the exact runs, and `<role>_vs_bucket_paired`, the
     median over sessions of each session's own ratio (its run of the length over its exact runs'
     median; `<role>_pairs` sessions had both). A session is one process whose runs lie minutes
-    apart, so the pairing leaves out what the machine does between sessions: on the development
-    VMs the whole machine slows by 20-40% for a minute or two at times, and the unpaired ratio of
-    medians moved by up to 0.08 with it where the paired one stayed (docs/perf-log.md, session
-    44). The cliff flag reads the paired ratio where any session has both runs."""
+    apart, so the pairing leaves out what the machine does between sessions (the development VMs
+    slow down by 20-40% for a minute or two at times: two `dev-bench-256` gates of the same
+    prefill code, the unpaired ratios 0.82-0.89 and 0.86-0.87 at 513 tokens, the paired 0.88-0.91
+    and 0.88-0.90; docs/perf-log.md, session 44). The cliff flag reads the paired ratio where any
+    session has both runs."""
     out = []
     for length in sorted({r["length"] for r in near}):
         entry: dict[str, Any] = {"length": length}
