@@ -20,17 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from tests.helpers import bench_lengths, bench_parser
+from tests.helpers import bench_args, bench_parser, bench_rounds
 
 
 def main() -> int:
     p = bench_parser(__doc__, "1024,4096")
-    p.add_argument("--rounds", type=int, default=3, help="requests per length and way (default: 3)")
-    p.add_argument("--tokens", type=int, default=12, help="tokens generated per request (default: 12)")
-    args = p.parse_args()
-    lengths = bench_lengths(args)
-    if args.tokens < 3 or args.rounds < 1 or not lengths:
-        p.error("need --tokens >= 3, --rounds >= 1 and at least one length")
+    bench_rounds(p, 3, "requests per length and way", 12, "tokens generated per request")
+    args, lengths = bench_args(p)
 
     import kernels.native_decode_attention as nda
     from iq36.cli import resolve_model

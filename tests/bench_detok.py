@@ -23,18 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from tests.helpers import bench_lengths, bench_parser
+from tests.helpers import bench_args, bench_parser, bench_rounds
 
 
 def main() -> int:
     p = bench_parser(__doc__, "256")
-    p.add_argument("--rounds", type=int, default=6, help="requests per way (default: 6)")
-    p.add_argument("--tokens", type=int, default=100, help="tokens generated per request (default: 100)")
+    bench_rounds(p, 6, "requests per way", 100, "tokens generated per request")
     p.add_argument("--calls", type=int, default=5, help="timed passes over the windows (default: 5)")
-    args = p.parse_args()
-    lengths = bench_lengths(args)
-    if args.tokens < 3 or args.rounds < 1 or len(lengths) != 1:
-        p.error("need --tokens >= 3, --rounds >= 1 and one length")
+    args, lengths = bench_args(p, one_length=True)
 
     from iq36.cli import resolve_model
     from iq36.gate.prompts import build

@@ -156,3 +156,19 @@ def bench_parser(doc: str | None, lengths: str) -> argparse.ArgumentParser:
 
 def bench_lengths(args: argparse.Namespace) -> list[int]:
     return [int(v) for v in args.lengths.split(",") if v.strip()]
+
+
+def bench_rounds(p: argparse.ArgumentParser, rounds: int, rounds_what: str, tokens: int, tokens_what: str) -> None:
+    """A benchmark's --rounds (`rounds_what`: what one round is, per what) and --tokens."""
+    p.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_what} (default: {rounds})")
+    p.add_argument("--tokens", type=int, default=tokens, help=f"{tokens_what} (default: {tokens})")
+
+
+def bench_args(p: argparse.ArgumentParser, one_length: bool = False) -> tuple[argparse.Namespace, list[int]]:
+    """The parsed command line of a benchmark with `bench_rounds`, and its lengths; refuses
+    fewer than 3 tokens, no round, or no length (or more than one, with `one_length`)."""
+    args = p.parse_args()
+    lengths = bench_lengths(args)
+    if args.tokens < 3 or args.rounds < 1 or not lengths or (one_length and len(lengths) != 1):
+        p.error(f"need --tokens >= 3, --rounds >= 1 and {'one length' if one_length else 'at least one length'}")
+    return args, lengths
