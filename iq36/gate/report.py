@@ -329,9 +329,9 @@ def render_markdown(report: dict[str, Any]) -> str:
               "baseline, medians | cliff |", "|---|---|---|---|---|---|---|---|"]
     for c in report["cases"]:
         for n in c["near_boundary"]:
-            lines.append(f"| {c['bucket']} | {c['prompt_class']} | {n['length']} | "
-                         f"{_fmt(n.get('candidate_vs_bucket_paired'))} | {_fmt(n['candidate_vs_bucket'])} | "
-                         f"{_fmt(n.get('baseline_vs_bucket_paired'))} | {_fmt(n['baseline_vs_bucket'])} | "
+            ratios = " | ".join(_fmt(n.get(f"{role}_vs_bucket{way}"), ".3f")
+                                for role in ("candidate", "baseline") for way in ("_paired", ""))
+            lines.append(f"| {c['bucket']} | {c['prompt_class']} | {n['length']} | {ratios} | "
                          f"{'yes' if n['cliff'] else 'no'} |")
     for kind, title in (("hard_divergences", "Hard divergences (stock's top-2 margin >= eps: each fails the gate)"),
                         ("near_tie_divergences", "Near-tie divergences")):
