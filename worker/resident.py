@@ -28,16 +28,14 @@ log = logging.getLogger(__name__)
 
 MADV_POPULATE_READ = 22  # <linux/mman.h>, Linux 5.14
 
-_MAPS = "/proc/self/maps"
 
-
-def mappings(path: Path, maps: str = _MAPS) -> list[tuple[int, int]]:
+def mappings(path: Path) -> list[tuple[int, int]]:
     """The address ranges [start, end) at which this process maps the file `path` (any name
     of it: matched by device and inode, as /proc/self/maps lists them)."""
     st = os.stat(path)
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
     found = []
-    with open(maps, encoding="utf-8", errors="replace") as f:
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
         for line in f:
             fields = line.split(maxsplit=5)
             if len(fields) < 6 or int(fields[4]) != st.st_ino or fields[3] != dev:
