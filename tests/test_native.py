@@ -283,12 +283,13 @@ def test_u4_experts_int8_tiles(groups: tuple[int, int], nibbles: bool) -> None:
     """The `int8` tiles: experts of at least 3 tokens take x and their act rows as int8 per 32
     inputs and the weights q as they are (packed u4 read in place, u8 through a tile); the integer
     sums are exact, so the result is the float64 block on the dequantized activations. Experts of
-    11, 15 (one padded vector), 16, 17 (a vector of 16 and a padded one of 8), 24 (one of 16 and
-    one of 8), 43 (three: the 2 x 3 register block), 56 (three and one of 8) tokens in the lane
-    form; 3 and 10 in the row form (packed u4; u8 weights: a padded vector), 1 and 2 (`direct`);
-    192 act rows (tasks of 128 and 64); groups of 128 and 96, 32 and 64."""
+    11, 15 (one padded vector), 16, 17 (a vector of 16 and a padded one of 8, in one pass), 24
+    (one of 16 and one of 8), 40 (two and one of 8 in one pass), 43 (three: the 2 x 3 register
+    block), 56 (a pair, then one and one of 8), 70 (a pair, then two and one of 8) tokens in the
+    lane form; 3 and 10 in the row form (packed u4; u8 weights: a padded vector), 1 and 2
+    (`direct`); 192 act rows (tasks of 128 and 64); groups of 128 and 96, 32 and 64."""
     rng = np.random.default_rng(17)
-    counts = [3, 10, 11, 15, 16, 17, 24, 43, 56, 1, 2]
+    counts = [3, 10, 11, 15, 16, 17, 24, 40, 43, 56, 70, 1, 2]
     idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
     check = functools.partial(_check_u4_experts, idx=idx, skip=0, scale_type=np.float16, experts=len(counts),
                               hidden=640, width=192, groups=groups, nibbles=nibbles, bf16=True, int8=True)
@@ -305,7 +306,7 @@ import numpy as np
 from tests import test_native as t
 
 few = os.environ.get("IQ36_INT8_ROW_TOKENS") != "0"
-counts = [3, 5, 8, 10, 11, 13, 16, 17, 24, 33, 43, 56, 1, 2]
+counts = [3, 5, 8, 10, 11, 13, 16, 17, 24, 33, 43, 56, 70, 1, 2]
 rng = np.random.default_rng(29)
 idx = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
 out = []
@@ -324,15 +325,16 @@ print("checked")
 def test_u4_experts_int8_row_form(tmp_path: Path) -> None:
     """The int8 row form (weight rows as the lanes, each token's inputs broadcast): by default the
     experts of 3-10 tokens, which otherwise take the bf16 dot form, take it on int8 activations;
-    with IQ36_INT8_ROW_TOKENS=64 every expert here up to 64 tokens does, including those the lane
-    form takes by default (11-56 tokens: a padded vector, vectors of 16 and one of 8). Each
+    with IQ36_INT8_ROW_TOKENS=80 every expert here up to 80 tokens does, including those the lane
+    form takes by default (11-70 tokens: a padded vector, vectors of 16 and one of 8, the last in
+    the pass of the last one or two of 16). Each
     against float64 (`_check_u4_experts`, the reference quantizing as the op does), packed u4 and
     u8 weights (the row form reads packed rows only: u8 keeps the lane form), two group shapes.
     The row and lane forms compute the same int32 sums and the same f32 operations per (row,
-    token): 64 gives the default's bits. With 0 the few-token experts take the bf16 dot form
+    token): 80 gives the default's bits. With 0 the few-token experts take the bf16 dot form
     again: other bits, and the reference's int8 rule only from 11 tokens."""
-    got = _run_checks(tmp_path, _INT8_ROW_CHECKS, "IQ36_INT8_ROW_TOKENS", ("", "64", "0"))
-    np.testing.assert_array_equal(got[""], got["64"])
+    got = _run_checks(tmp_path, _INT8_ROW_CHECKS, "IQ36_INT8_ROW_TOKENS", ("", "80", "0"))
+    np.testing.assert_array_equal(got[""], got["80"])
     assert not np.array_equal(got[""], got["0"])
 
 

@@ -195,38 +195,53 @@ IQ36_INT8 inline void lanes_of(const float* p, typename Vec::F (&out)[V]) {
         out[v] = Vec::load(p + v * Vec::kLanes);
 }
 
-// o[c][v * L ..] (+)= the products of C weight rows with V vectors of L tokens (L = Vec::kLanes):
-// the rows' q as packed u4 bytes in the model's order (Nib; ldw bytes apart, two weights a byte) or
-// as bytes in kInputOrder (ldw apart); xq holds the tokens' int8 inputs four to a lane (ldx lanes
-// apart per input quad, in kInputOrder), sa their scales per kGroup inputs and S their sums per
-// weight group (both ldx apart); sw / zs the rows' scales and scale x zero point per weight group
-// (lds apart). Registers: 2 C V accumulators (a kGroup's int32 sums; the weight group's f32 sum,
-// which meets w_s and the zero point once per weight group, into o), 2 V token vectors, V scales
-// and the weight words.
-template <class Vec, int C, int V, bool Nib>
+// o[c][v * L ..] (+)= the products of C weight rows with V vectors of L tokens (L = Vec::kLanes)
+// and, for H = 1 (Vec = Zmm only), one more of 8 tokens in a ymm at lane V * L (an expert's last
+// tokens past its whole zmm vectors): the rows' q as packed u4 bytes in the model's order (Nib;
+// ldw bytes apart, two weights a byte) or as bytes in kInputOrder (ldw apart); xq holds the
+// tokens' int8 inputs four to a lane (ldx lanes apart per input quad, in kInputOrder), sa their
+// scales per kGroup inputs and S their sums per weight group (both ldx apart); sw / zs the rows'
+// scales and scale x zero point per weight group (lds apart). Registers: 2 C (V + H) accumulators
+// (a kGroup's int32 sums; the weight group's f32 sum, which meets w_s and the zero point once per
+// weight group, into o), 2 (V + H) token vectors, V + H scales and the weight words. The ymm vector
+// takes the low halves of the zmm weight words: per lane the same operations as Ymm's kernel, so
+// the same bits, without a second pass over the rows to unpack their words again.
+template <class Vec, int C, int V, bool Nib, int H = 0>
 IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t lds, size_t group,
                              const int32_t* xq, const float* sa, const float* S, size_t ldx, size_t kn, float* o, size_t ldo,
                              bool add, const char* ahead) {
+    static_assert(H == 0 || (H == 1 && std::is_same_v<Vec, Zmm>), "a ymm tail only beside zmm vectors");
     constexpr size_t L = Vec::kLanes;
+    constexpr int Hn = H > 0 ? H : 1;  // array extents (unused when H = 0)
     for (size_t g0 = 0; g0 < kn; g0 += group) {
         typename Vec::F t[C][V];  // the weight group's sum_G s_G ga_G
+        Ymm::F th[C][Hn];
         for (size_t h = g0; h < g0 + group; h += kGroup) {
             if (ahead)  // the next C rows' bytes, spread over this block's steps (C kGroup / 2 per step)
                 for (size_t l = 0; l < C * kGroup / 2; l += 64)
                     _mm_prefetch(ahead + h / kGroup * (C * kGroup / 2) + l, _MM_HINT_T0);
             typename Vec::I ga[C][V];
+            Ymm::I gh[C][Hn];
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c)
+            for (int c = 0; c < C; ++c) {
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v)
                     ga[c][v] = Vec::zero_i();
+                if constexpr (H > 0)
+                    gh[c][0] = Ymm::zero_i();
+            }
 #pragma GCC unroll 8
             for (size_t k = h; k < h + kGroup; k += 8) {  // 8 inputs: the even ones' word, the odd ones'
                 typename Vec::I even[V], odd[V];
+                Ymm::I even_h, odd_h;
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v) {
                     even[v] = Vec::load(xq + (k / 4) * ldx + v * L);
                     odd[v] = Vec::load(xq + (k / 4 + 1) * ldx + v * L);
+                }
+                if constexpr (H > 0) {
+                    even_h = Ymm::load(xq + (k / 4) * ldx + V * L);
+                    odd_h = Ymm::load(xq + (k / 4 + 1) * ldx + V * L);
                 }
 #pragma GCC unroll 8
                 for (int c = 0; c < C; ++c) {
@@ -246,35 +261,53 @@ IQ36_INT8 inline void kernel(const uint8_t* w, size_t ldw, const float* sw, cons
 #pragma GCC unroll 8
                     for (int v = 0; v < V; ++v)
                         ga[c][v] = Vec::dpbusd(Vec::dpbusd(ga[c][v], we, even[v]), wo, odd[v]);
+                    if constexpr (H > 0)
+                        gh[c][0] = Ymm::dpbusd(Ymm::dpbusd(gh[c][0], _mm512_castsi512_si256(we), even_h),
+                                               _mm512_castsi512_si256(wo), odd_h);
                 }
             }
             typename Vec::F sv[V];
             lanes_of<Vec, V>(sa + (h / kGroup) * ldx, sv);
+            Ymm::F sv_h;
+            if constexpr (H > 0)
+                sv_h = Ymm::load(sa + (h / kGroup) * ldx + V * L);
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c)
+            for (int c = 0; c < C; ++c) {
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v)
                     t[c][v] = h == g0 ? Vec::mul(Vec::to_float(ga[c][v]), sv[v]) : Vec::fmadd(Vec::to_float(ga[c][v]), sv[v], t[c][v]);
+                if constexpr (H > 0)
+                    th[c][0] = h == g0 ? Ymm::mul(Ymm::to_float(gh[c][0]), sv_h) : Ymm::fmadd(Ymm::to_float(gh[c][0]), sv_h, th[c][0]);
+            }
         }
         // o (+)= w_s t - w_s z S_g: the totals in memory, once per weight group (in registers
         // too they would need 3 C V of the 32)
         typename Vec::F sg[V];
         lanes_of<Vec, V>(S + (g0 / group) * ldx, sg);
+        Ymm::F sg_h;
+        if constexpr (H > 0)
+            sg_h = Ymm::load(S + (g0 / group) * ldx + V * L);
         const bool first = g0 == 0 && !add;
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
-            const typename Vec::F sc = Vec::set1(sw[c * lds + g0 / group]), zc = Vec::set1(zs[c * lds + g0 / group]);
+            const float scale = sw[c * lds + g0 / group], zero = zs[c * lds + g0 / group];
+            const typename Vec::F sc = Vec::set1(scale), zc = Vec::set1(zero);
 #pragma GCC unroll 8
             for (int v = 0; v < V; ++v) {
                 float* out = o + c * ldo + v * L;
                 const typename Vec::F before = first ? Vec::zero() : Vec::load(out);
                 Vec::store(out, Vec::fnmadd(zc, sg[v], Vec::fmadd(t[c][v], sc, before)));
             }
+            if constexpr (H > 0) {
+                float* out = o + c * ldo + V * L;
+                const Ymm::F before = first ? Ymm::zero() : Ymm::load(out);
+                Ymm::store(out, Ymm::fnmadd(Ymm::set1(zero), sg_h, Ymm::fmadd(th[c][0], Ymm::set1(scale), before)));
+            }
         }
     }
 }
 
-template <class Vec, int C, int V, bool Nib>
+template <class Vec, int C, int V, bool Nib, int H = 0>
 IQ36_INT8 inline void run(const uint8_t* w, size_t ldw, const float* sw, const float* zs, size_t gn, size_t group, size_t n,
                           size_t kn, const int32_t* xq, const float* sa, const float* S, size_t ldx, float* o, size_t ldo, bool add,
                           bool ahead) {
@@ -283,11 +316,11 @@ IQ36_INT8 inline void run(const uint8_t* w, size_t ldw, const float* sw, const f
     };
     size_t c = 0;
     for (; c + C <= n; c += C)
-        kernel<Vec, C, V, Nib>(w + c * ldw, ldw, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add,
-                               next(c, C));
+        kernel<Vec, C, V, Nib, H>(w + c * ldw, ldw, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add,
+                                  next(c, C));
     for (; c < n; ++c)
-        kernel<Vec, 1, V, Nib>(w + c * ldw, ldw, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add,
-                               next(c, 1));
+        kernel<Vec, 1, V, Nib, H>(w + c * ldw, ldw, sw + c * gn, zs + c * gn, gn, group, xq, sa, S, ldx, kn, o + c * ldo, ldo, add,
+                                  next(c, 1));
 }
 
 // Weight rows per ymm block: 8 (E = 256, 513 tokens, from an unpacked tile: 4 rows 3% slower, 12
@@ -492,22 +525,42 @@ inline void products(const Packed& m, size_t e, size_t r0, size_t n, const int32
     for (size_t k0 = 0; k0 < K; k0 += ks) {
         const size_t kn = std::min(ks, K - k0), gn = kn / m.group;
         prepare(m, e, r0, n, k0, kn, tile.w.data(), sw, zs);
-        const auto block = [&](auto vec, auto c, auto vs, size_t t) {
-            constexpr int C = decltype(c)::value, V = decltype(vs)::value;
+        const auto block = [&](auto vec, auto c, auto vs, size_t t, auto tail) {
+            constexpr int C = decltype(c)::value, V = decltype(vs)::value, H = decltype(tail)::value;
             const int32_t* xs = xq + (k0 / 4) * ldx + t;
             const float *ss = sa + (k0 / kGroup) * ldx + t, *Ss = S + (k0 / m.group) * ldx + t;
             if (m.w4)
-                run<decltype(vec), C, V, true>(m.w + (e * m.out + r0) * (K / 2) + k0 / 2, K / 2, sw, zs, gn, m.group, n, kn, xs, ss,
-                                               Ss, ldx, o + t, ldo, k0 > 0, t == 0);
+                run<decltype(vec), C, V, true, H>(m.w + (e * m.out + r0) * (K / 2) + k0 / 2, K / 2, sw, zs, gn, m.group, n, kn, xs,
+                                                  ss, Ss, ldx, o + t, ldo, k0 > 0, t == 0);
             else
-                run<decltype(vec), C, V, false>(tile.w.data(), kn, sw, zs, gn, m.group, n, kn, xs, ss, Ss, ldx, o + t, ldo, k0 > 0, false);
+                run<decltype(vec), C, V, false, H>(tile.w.data(), kn, sw, zs, gn, m.group, n, kn, xs, ss, Ss, ldx, o + t, ldo, k0 > 0,
+                                                   false);
         };
-        // weight rows per block of 2, 1 and 3 zmm vectors: 4, 8 and 2, which divide the tasks' 128
-        // rows (the bf16 tiles' 6 left two rows to single-row kernels: the op 2-3% slower at 1024
-        // tokens) and keep a block's registers within the 32 (2 C V accumulators, 2 V token vectors)
-        token_blocks<4, 8, 2>(cols / Zmm::kLanes, [&](auto c, auto vs, size_t v) { block(Zmm{}, c, vs, v * Zmm::kLanes); });
-        if (cols % Zmm::kLanes != 0)
-            block(Ymm{}, std::integral_constant<int, kYmmRows>{}, std::integral_constant<int, 1>{}, cols / Zmm::kLanes * Zmm::kLanes);
+        using std::integral_constant;
+        const integral_constant<int, 0> whole;
+        const size_t vecs = cols / Zmm::kLanes;
+        if (cols % Zmm::kLanes == 0 || vecs == 0) {
+            // weight rows per block of 2, 1 and 3 zmm vectors: 4, 8 and 2, which divide the tasks'
+            // 128 rows (the bf16 tiles' 6 left two rows to single-row kernels: the op 2-3% slower at
+            // 1024 tokens) and keep a block's registers within the 32 (2 C V accumulators, 2 V
+            // token vectors)
+            token_blocks<4, 8, 2>(vecs, [&](auto c, auto vs, size_t v) { block(Zmm{}, c, vs, v * Zmm::kLanes, whole); });
+            if (cols % Zmm::kLanes != 0)  // at most 8 tokens: a ymm vector alone
+                block(Ymm{}, integral_constant<int, kYmmRows>{}, integral_constant<int, 1>{}, 0, whole);
+        } else {
+            // The last 8 tokens' ymm vector in the pass of the last one or two zmm vectors (4 rows a
+            // block), pairs before them: one pass over the rows' words fewer, the same bits. Zen 4
+            // EPYC, against a pass of its own: one 512 x 2048 expert alone 0.78-0.80x the time at
+            // 20-24 tokens, 0.84-0.86x at 40 and 56; the op (E = 256, calls alternating) 0.90-0.91x
+            // at 513 tokens, 0.97x at 1024, 0.98-1.00x at 2048 (docs/perf-log.md, session 45).
+            const size_t last = vecs % 2 == 1 ? 1 : 2;
+            token_blocks<4, 8, 2>(vecs - last, [&](auto c, auto vs, size_t v) { block(Zmm{}, c, vs, v * Zmm::kLanes, whole); });
+            const size_t t = (vecs - last) * Zmm::kLanes;
+            if (last == 1)
+                block(Zmm{}, integral_constant<int, 4>{}, integral_constant<int, 1>{}, t, integral_constant<int, 1>{});
+            else
+                block(Zmm{}, integral_constant<int, 4>{}, integral_constant<int, 2>{}, t, integral_constant<int, 1>{});
+        }
     }
 }
 
