@@ -731,3 +731,44 @@ def test_phase_and_native_experts_exclude_each_other(tiny_dir: Path) -> None:
     profile = msgspec.structs.replace(profile, kernels=both)
     with pytest.raises(ValueError, match="native_experts and phase_experts"):
         create("candidate", tiny_dir, profile)
+
+
+_EXPF_FLAGS = ("avx512f", "avx512dq")
+
+
+@pytest.mark.skipif(not all(f in native.cpu_flags() for f in _EXPF_FLAGS),
+                    reason=f"needs a CPU with {', '.join(_EXPF_FLAGS)} (the ops' vector expf)")
+def test_vector_expf_gives_the_scalar_bits() -> None:
+    """`vexp::exp16` (kernels/native/expf.hpp) against the C library's expf on every 101st float
+    bit pattern with |x| < 87 (~22 million; the whole range was checked once: docs/perf-log.md,
+    session 45), and the experts' silu(g) * u on it against the scalar expression, bit for bit,
+    over values of every magnitude, the limit's neighbours, infinities, NaN and lengths with a
+    scalar tail."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(native.library()))
+    lib.iq36_expf_mismatches.restype = ctypes.c_int64
+    lib.iq36_expf_mismatches.argtypes = [ctypes.c_int64]
+    assert lib.iq36_expf_mismatches(101) == 0
+
+    lib.iq36_silu_mul.restype = None
+    ptr = ctypes.POINTER(ctypes.c_float)
+    lib.iq36_silu_mul.argtypes = [ptr, ptr, ctypes.c_int64, ptr, ctypes.c_int]
+    rng = np.random.default_rng(45)
+    g = np.concatenate([rng.standard_normal(4000) * s for s in (1e-30, 1e-3, 1.0, 10.0, 40.0, 100.0)])
+    g = np.concatenate([g, [86.99999, -86.99999, 87.0, -87.0, 88.8, -104.0, np.inf, -np.inf, np.nan, 0.0, -0.0]])
+    g = rng.permutation(g).astype(np.float32)
+    u = rng.standard_normal(g.size).astype(np.float32)
+
+    def run(n: int, vector: int) -> np.ndarray:
+        out = np.empty(n, np.float32)
+        lib.iq36_silu_mul(g.ctypes.data_as(ptr), u.ctypes.data_as(ptr), n, out.ctypes.data_as(ptr), vector)
+        return out
+
+    for n in (g.size, 16 * 5 + 7, 3):
+        vector, scalar = run(n, 1), run(n, 0)
+        np.testing.assert_array_equal(vector.view(np.uint32), scalar.view(np.uint32))
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(run(g.size, 1)[finite], expected[finite], rtol=1e-6, atol=1e-30)

@@ -106,3 +106,17 @@ IQ36_API void iq36_kv_drop(int64_t id) {
     auto& stores = iq36::dattn::registry();
     stores.erase(stores.lower_bound({id, INT64_MIN}), stores.upper_bound({id, INT64_MAX}));
 }
+
+// For tests (tests/test_native.py, through ctypes): out = silu(g) * u on the AVX-512 path (`vector`
+// nonzero, where the CPU has it) or the scalar one; and the count of floats x = bits i * step
+// (|x| < vexp::kLimit) whose vector expf differs from the scalar expf in any bit.
+IQ36_API void iq36_silu_mul(const float* g, const float* u, int64_t n, float* out, int vector) {
+    if (vector && iq36::vexp::supported())
+        return iq36::vexp::silu_mul_avx512(g, u, static_cast<size_t>(n), out);
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = iq36::vexp::silu(g[i]) * u[i];
+}
+
+IQ36_API int64_t iq36_expf_mismatches(int64_t step) {
+    return iq36::vexp::supported() ? static_cast<int64_t>(iq36::vexp::mismatches(static_cast<uint64_t>(step))) : -1;
+}

@@ -67,6 +67,7 @@
 #include <tbb/parallel_for.h>
 
 #include "common.hpp"
+#include "expf.hpp"
 #include "q16_linear.hpp"
 
 namespace iq36 {
@@ -449,7 +450,7 @@ inline void direct(const Packed& m, size_t e, size_t r0, size_t n, const float* 
 
 constexpr size_t kDirect = 2;  // experts with at most this many rows take `direct`
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+using vexp::silu;
 
 #ifndef IQ36_GATE_ROWS
 #define IQ36_GATE_ROWS 128
@@ -822,8 +823,7 @@ public:
                     for (size_t t = 0; t < sx.size(); ++t) {
                         q16::dot(sw[1], r0, nr, sx[t], g.data());
                         q16::dot(sw[2], r0, nr, sx[t], u.data());
-                        for (size_t c = 0; c < nr; ++c)
-                            sact[t * Is + r0 + c] = silu(g[c]) * u[c];
+                        vexp::silu_mul(g.data(), u.data(), nr, sact.data() + t * Is + r0);
                     }
                     continue;
                 }
@@ -847,8 +847,7 @@ public:
                             direct(gate, e, r0, nr, rows[i], g.data());
                             direct(up, e, r0, nr, rows[i], u.data());
                         }
-                        for (size_t c = 0; c < nr; ++c)
-                            a[i * I + r0 + c] = silu(g[c]) * u[c];
+                        vexp::silu_mul(g.data(), u.data(), nr, a + i * I + r0);
                     }
                     continue;
                 }
@@ -915,8 +914,7 @@ public:
                 }
                 for (size_t c = 0; c < nr; ++c) {
                     float* ac = a + (split && !bf ? split_index(r0 + c) : r0 + c) * n;  // down's input order
-                    for (size_t t = 0; t < n; ++t)  // padded columns: silu(0) * 0 = 0
-                        ac[t] = silu(g[c * n + t]) * u[c * n + t];
+                    vexp::silu_mul(g.data() + c * n, u.data() + c * n, n, ac);  // padded columns: silu(0) * 0 = 0
                 }
                 if (q8[e]) {  // rows r0 .. r0 + nr of act as int8 columns (whole kGroups: r0 and nr multiples of it)
                     const size_t at = aoff[e] + r0 * n;
