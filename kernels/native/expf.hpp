@@ -4,11 +4,12 @@
 // glibc's expf (2.28 on; the one the ops' scalar `std::exp(float)` calls) evaluates in double:
 // k = round(x 32 / ln 2), r = x 32 / ln 2 - k, 2^(k / 32) from a table of 32 doubles by k % 32
 // with k / 32 added to the exponent, times a cubic in r, rounded to float once. Done here on 8
-// doubles a vector with the same constants; the double result carries ~2^-40 of relative error
-// against the ~2^-24 of the final rounding, so the vector and scalar results agree: every float
-// with |x| < 87 was checked against the platform's expf (2,237,399,040 inputs, docs/perf-log.md,
-// session 45; tests/test_native.py checks a sample on the machine it runs on). Inputs past that
-// (overflow, underflow to subnormals, infinities, NaN) go to the scalar expf.
+// doubles a vector with the same constants and operations (whether the compiler fused a
+// multiply-add moves the double by a few units of 2^-52, far below the float's rounding step):
+// every float with |x| < 87 gives the platform's expf bits, with and without those fusions
+// (2,237,399,040 inputs, docs/perf-log.md, session 45; tests/test_native.py checks a sample on
+// the machine it runs on). Inputs past that (overflow, underflow to subnormals, infinities, NaN)
+// go to the scalar expf.
 #pragma once
 
 #include <immintrin.h>
