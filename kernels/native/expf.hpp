@@ -88,6 +88,12 @@ IQ36_EXPF inline __m512 exp16(__m512 x, const Tables& T) {
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
+// out[i] = silu(g[i]) * u[i] for i < n, one at a time.
+inline void silu_mul_scalar(const float* g, const float* u, size_t n, float* out) {
+    for (size_t i = 0; i < n; ++i)
+        out[i] = silu(g[i]) * u[i];
+}
+
 IQ36_EXPF inline void silu_mul_avx512(const float* g, const float* u, size_t n, float* out) {
     const Tables T = load_tables();
     const __m512 limit = _mm512_set1_ps(kLimit), sign = _mm512_set1_ps(-0.0f), one = _mm512_set1_ps(1.0f);
@@ -95,15 +101,13 @@ IQ36_EXPF inline void silu_mul_avx512(const float* g, const float* u, size_t n, 
     for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(g + i);
         if (_mm512_cmp_ps_mask(_mm512_andnot_ps(sign, v), limit, _CMP_LT_OQ) != 0xFFFF) {  // a large |v| or a NaN
-            for (size_t j = i; j < i + 16; ++j)
-                out[j] = silu(g[j]) * u[j];
+            silu_mul_scalar(g + i, u + i, 16, out + i);
             continue;
         }
         const __m512 e = exp16(_mm512_xor_ps(v, sign), T);
         _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
     }
-    for (; i < n; ++i)
-        out[i] = silu(g[i]) * u[i];
+    silu_mul_scalar(g + i, u + i, n - i, out + i);
 }
 
 // Of in[0 .. n) (n <= 16, 16 readable), how many exp16 gives other bits than std::exp.
@@ -143,8 +147,7 @@ IQ36_EXPF inline uint64_t mismatches(uint64_t step) {
 inline void silu_mul(const float* g, const float* u, size_t n, float* out) {
     if (supported())
         return silu_mul_avx512(g, u, n, out);
-    for (size_t i = 0; i < n; ++i)
-        out[i] = silu(g[i]) * u[i];
+    silu_mul_scalar(g, u, n, out);
 }
 
 }  // namespace vexp

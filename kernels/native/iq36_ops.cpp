@@ -113,8 +113,7 @@ IQ36_API void iq36_kv_drop(int64_t id) {
 IQ36_API void iq36_silu_mul(const float* g, const float* u, int64_t n, float* out, int vector) {
     if (vector && iq36::vexp::supported())
         return iq36::vexp::silu_mul_avx512(g, u, static_cast<size_t>(n), out);
-    for (int64_t i = 0; i < n; ++i)
-        out[i] = iq36::vexp::silu(g[i]) * u[i];
+    iq36::vexp::silu_mul_scalar(g, u, static_cast<size_t>(n), out);
 }
 
 IQ36_API int64_t iq36_expf_mismatches(int64_t step) {
