@@ -4,7 +4,8 @@
 
 Each round, for each way in turn, drops the model's weights file from the page cache
 (posix_fadvise DONTNEED: only pages no process maps go) and starts a fresh process that loads the
-candidate engine with `resident_weights` on or off, runs one untimed request and one timed
+candidate engine with `resident_weights` on or off (`anonymous_weights` off: with it the file is not
+mapped at all), runs one untimed request and one timed
 request (a prompt of that length, random ids; `--tokens` greedy tokens), and reports its
 load time, the median decode step, the major page faults during the decode steps and the median
 of the steps that took none. Without the switch, each token id new to the process reads its
@@ -35,7 +36,7 @@ from worker.engine.candidate import CandidateEngine
 model_dir, profile, on = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 length, tokens = int(sys.argv[4]), int(sys.argv[5])
 prof = load(profile)
-prof = msgspec.structs.replace(prof, kernels={**prof.kernels, "resident_weights": on})
+prof = msgspec.structs.replace(prof, kernels={**prof.kernels, "resident_weights": on, "anonymous_weights": False})
 start = time.perf_counter()
 engine = CandidateEngine(model_dir, prof)
 load_s = time.perf_counter() - start

@@ -199,6 +199,16 @@ Q16_TAIL_TILES = "q16_tail_tiles"
 # 1.1 s at load (docs/perf-log.md, session 44).
 RESIDENT_WEIGHTS = "resident_weights"
 
+# The IR's weights read into the worker's own anonymous memory at load, on transparent huge pages
+# where the kernel allows (worker/resident.py: `private_copy`), and the model read from that copy
+# instead of the file's mapping: where the device is the CPU; elsewhere, or where the memory
+# cannot be had (logged), the switch does nothing and the engine does not report it. With it the
+# file is not mapped, so `resident_weights` has nothing to do (the copy is out of the page cache's
+# reclaim anyway). The same bytes, the same logits; RSS as with `resident_weights` (the whole
+# file). dev-bench decode steps 3-7% shorter, dev-bench-256 3%, prefill unchanged; load +0.5-1.5
+# s (docs/perf-log.md, session 47).
+ANONYMOUS_WEIGHTS = "anonymous_weights"
+
 # Rewrites that pay off only for chunks of many tokens: applied to a clone of the main model
 # (after its rewrites; the clone shares the weights) compiled as a model of its own for prefill
 # chunks (> 1 token), while single tokens (decode) run the main or the decode graph (with both,
@@ -219,21 +229,25 @@ _PREFILL_KERNELS: dict[str, tuple[Callable[[Any], Any], bool]] = {
 _DEFAULTS = {name: default for name, (_, default) in {**_KERNELS, **_PREFILL_KERNELS}.items()}
 # Every name a profile's [kernels] table may hold (a misspelt one is refused, not ignored).
 KNOWN_KERNELS = frozenset({*_DEFAULTS, DECODE_GRAPH, DECODE_ATTENTION, DECODE_SHARED_EXPERT, EXPERTS_BF16,
-                           EXPERTS_INT8, Q16_BF16, Q16_TAIL_TILES, RESIDENT_WEIGHTS})
+                           EXPERTS_INT8, Q16_BF16, Q16_TAIL_TILES, RESIDENT_WEIGHTS,
+                           ANONYMOUS_WEIGHTS})
 
 # kernels/native ops a rewrite may insert
 _NATIVE_OPS = {"U8Linear", "U4Experts", "GatedDeltaRule", "Q16Linear", "CausalConv1d", "CausalAttention",
                "DecodeAttention"}
 
 
-def specialised_model(core: Any, model_dir: Path, profile: Profile) -> tuple[Any, list[str], Any]:
+def specialised_model(core: Any, model_dir: Path, profile: Profile, weights: Any = None) -> tuple[Any, list[str], Any]:
     """The locked IR read by `core` with the profile's rewrites (`_KERNELS`) applied, not yet
-    compiled, the names of the rewrites applied, and the decode graph (`DECODE_GRAPH`) or None."""
+    compiled, the names of the rewrites applied, and the decode graph (`DECODE_GRAPH`) or None.
+    `weights`: the bytes of the IR's weights file (an ov.Tensor sharing them) to read the
+    constants from instead of the file (`ANONYMOUS_WEIGHTS`); the caller keeps them alive."""
     unknown = sorted(profile.kernels.keys() - KNOWN_KERNELS)
     if unknown:
         raise ValueError(f"profile {profile.name}: unknown kernel{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(unknown)} in [kernels]; known: {', '.join(sorted(KNOWN_KERNELS))}")
-    model = core.read_model(Path(model_dir) / "openvino_model.xml")
+    xml = Path(model_dir) / "openvino_model.xml"
+    model = core.read_model(xml) if weights is None else core.read_model(xml.read_text(encoding="utf-8"), weights)
     for group in _EXCLUSIVE:
         on = sorted(name for name in group if profile.kernels.get(name, _DEFAULTS[name]))
         if len(on) > 1:
@@ -367,8 +381,17 @@ class CandidateEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = tokenizer or ModelTokenizer(self.model_dir)
         core = ov.Core()
-        model, kernels, decode = specialised_model(core, self.model_dir, profile)
+        weights = None
+        if profile.kernels.get(ANONYMOUS_WEIGHTS, False) and profile.engine.device.upper() == "CPU":
+            from worker import resident
+
+            copy = resident.private_copy(self.model_dir / "openvino_model.bin")
+            if copy is not None:  # kept by `resident` for the process's lifetime
+                weights = ov.Tensor(copy, shared_memory=True)
+        model, kernels, decode = specialised_model(core, self.model_dir, profile, weights)
         self.kernels: list[str] = kernels
+        if weights is not None:
+            self.kernels.append(ANONYMOUS_WEIGHTS)
         prefill = [name for name, (_, default) in _PREFILL_KERNELS.items() if profile.kernels.get(name, default)]
         pmodel = None
         if prefill:
@@ -419,7 +442,7 @@ class CandidateEngine:
         else:
             self._compiled = core.compile_model(model, profile.engine.device, properties)
             self._request = self._compiled.create_infer_request()
-        if profile.kernels.get(RESIDENT_WEIGHTS, False) and profile.engine.device.upper() == "CPU":
+        if profile.kernels.get(RESIDENT_WEIGHTS, False) and profile.engine.device.upper() == "CPU" and weights is None:
             self._make_resident()
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
         self._calls: dict[int, int] = {}  # inferences per infer request (`stateful_feed`'s `call`)
