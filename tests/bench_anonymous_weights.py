@@ -5,12 +5,13 @@
 Two candidate engines in one process, the profile's own (`anonymous_weights`: the IR's constants
 read from the process's copy of the weights file, on transparent huge pages where the kernel
 allows) and the same with the switch off (the constants where the plugin maps the file,
-`resident_weights` keeping its pages in), each prefilled with the same prompt, then their decode
-steps interleaved one for one (the order alternating), so the machine's drift hits both alike.
+`resident_weights` keeping its pages in), each prefilled with the same prompt, then fed the same
+random tokens, their decode steps interleaved one for one (the order alternating), so the
+machine's drift hits both alike.
 Prints the median step of each every 100 pairs and over all, the paired ratio (copy / mapping)
 and how many steps the copy took less time; checks the two engines' logits are the same bits.
-`--no-huge` makes the copy on 4 KB pages (madvise(MADV_HUGEPAGE) not called). Session 47 on the
-Zen 4 EPYC: dev-bench 0.934-0.969 (4 KB pages 0.951-0.967), dev-bench-256 0.970 (docs/perf-log.md).
+`--no-huge` makes the copy on 4 KB pages (madvise(MADV_HUGEPAGE) refused). Session 47 on the Zen 4
+EPYC: a decode step 3-4% shorter with the copy (docs/perf-log.md).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def main() -> int:
     prompt = list(build(lambda t: tokenizer.encode(t, add_special_tokens=False), lengths[0], "filler",
                         salt="anonymous-weights").ids)
     for run in range(args.rounds):
-        steps = {way: engine.forced_logits(prompt, [prompt[-1]] * args.tokens) for way, engine in engines.items()}
+        # random forced tokens: each step routes to other experts, as generated text does (one
+        # token repeated keeps routing to the same experts, whose weights then partly stay in L3)
+        forced = [int(i) for i in np.random.default_rng(run).integers(1000, 30000, args.tokens)]
+        steps = {way: engine.forced_logits(prompt, forced) for way, engine in engines.items()}
         last = {way: next(gen) for way, gen in steps.items()}  # the prefills
         spent: dict[str, list[float]] = {way: [] for way in engines}
         for i in range(args.tokens - 1):

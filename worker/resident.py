@@ -19,7 +19,7 @@ process's RSS. ctypes releases the GIL for the call, so the worker's IO thread k
 transparent huge pages where the kernel allows), from which OpenVINO then reads the IR's
 constants instead of the file's mapping. The copy is out of the page cache's reclaim altogether,
 and on the development VM the decode products stream faster from it than from the page cache's
-pages: `dev-bench` decode steps 3-7% shorter, `dev-bench-256` 3% (docs/perf-log.md, session 47).
+pages: `dev-bench` decode steps 3-7% shorter, `dev-bench-256` 3-5% (docs/perf-log.md, session 47).
 The file is read in chunks of `READ_CHUNK`, the GIL released for each.
 """
 

@@ -205,8 +205,8 @@ RESIDENT_WEIGHTS = "resident_weights"
 # cannot be had (logged), the switch does nothing and the engine does not report it. With it the
 # file is not mapped, so `resident_weights` has nothing to do (the copy is out of the page cache's
 # reclaim anyway). The same bytes, the same logits; RSS as with `resident_weights` (the whole
-# file). dev-bench decode steps 3-7% shorter, dev-bench-256 3%, prefill unchanged; load +0.5-1.5
-# s (docs/perf-log.md, session 47).
+# file). dev-bench decode steps 3-7% shorter, dev-bench-256 3-5%, prefill unchanged; load
+# +0.5-1.5 s (docs/perf-log.md, session 47).
 ANONYMOUS_WEIGHTS = "anonymous_weights"
 
 # Rewrites that pay off only for chunks of many tokens: applied to a clone of the main model
