@@ -127,20 +127,6 @@ def test_the_candidate_engine_makes_its_weights_file_resident(tiny_dir: Path, on
         engine.close()
 
 
-def _smaps_field(address: int, field: str) -> int:
-    """`field` (e.g. THPeligible) of the mapping holding `address`, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps", encoding="utf-8") as f:
-        for line in f:
-            head = line.split(maxsplit=1)[0] if line.strip() else ""
-            if "-" in head and not head.endswith(":"):
-                a, b = (int(x, 16) for x in head.split("-"))
-                inside = a <= address < b
-            elif inside and head == f"{field}:":
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} for {address:x} in /proc/self/smaps")
-
-
 def _thp_mode() -> str:
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
@@ -161,7 +147,7 @@ def test_private_copy_holds_the_file_in_anonymous_memory(tmp_path: Path) -> None
     assert resident.mappings(path) == []
     address = copy.__array_interface__["data"][0]
     if _thp_mode() in ("always", "madvise"):
-        assert _smaps_field(address, "THPeligible") == 1
+        assert resident.mapping_field(address, "THPeligible") == 1
     assert 0 <= resident.huge_page_bytes(copy) <= 4 * resident.HUGE_PAGE
     assert resident.private_copy(path) is copy
     path.write_bytes(data[::-1])  # another file now: another copy

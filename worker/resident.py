@@ -128,15 +128,13 @@ def private_copy(path: Path) -> np.ndarray | None:
         except (OSError, AttributeError) as exc:  # no THP in this kernel: 4 KB pages
             log.info("weights copied without huge pages: madvise(MADV_HUGEPAGE) failed (%s)", exc)
         try:
-            with open(path, "rb", buffering=0) as f:
-                view = memoryview(buf)
+            with open(path, "rb", buffering=0) as f, memoryview(buf) as view:
                 done = 0
                 while done < size:
                     got = f.readinto(view[done:min(size, done + READ_CHUNK)])
                     if not got:
                         raise OSError(f"{path} ended at {done} of its {size} bytes")
                     done += got
-                view.release()
         except OSError as exc:
             log.warning("weights not copied into memory: reading %s failed (%s)", path, exc)
             return None
@@ -148,9 +146,14 @@ def private_copy(path: Path) -> np.ndarray | None:
 
 
 def huge_page_bytes(data: np.ndarray) -> int:
-    """Bytes of the anonymous mapping holding `data` on transparent huge pages (AnonHugePages in
-    /proc/self/smaps; 0 where it is not found)."""
-    address = data.__array_interface__["data"][0]
+    """Bytes of the anonymous mapping holding `data` on transparent huge pages (0 where unknown)."""
+    kb = mapping_field(data.__array_interface__["data"][0], "AnonHugePages")
+    return 0 if kb is None else kb * 1024
+
+
+def mapping_field(address: int, field: str) -> int | None:
+    """The number `field` (e.g. AnonHugePages, in kB, or THPeligible) of this process's mapping
+    holding `address`, as /proc/self/smaps lists it; None where there is none."""
     inside = False
     with open("/proc/self/smaps", encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -158,6 +161,6 @@ def huge_page_bytes(data: np.ndarray) -> int:
             if "-" in head and not head.endswith(":"):
                 a, b = (int(x, 16) for x in head.split("-"))
                 inside = a <= address < b
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    return 0
+            elif inside and head == f"{field}:":
+                return int(line.split()[1])
+    return None
