@@ -21,16 +21,9 @@ PAGE = mmap.PAGESIZE
 
 def _resident_bytes(start: int, end: int) -> int:
     """Rss of the mapping [start, end) as /proc/self/smaps reports it, in bytes."""
-    inside = False
-    with open("/proc/self/smaps", encoding="utf-8") as f:
-        for line in f:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):
-                a, b = (int(x, 16) for x in head.split("-"))
-                inside = (a, b) == (start, end)
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping {start:x}-{end:x} in /proc/self/smaps")
+    kb = resident.mapping_field(start, "Rss")
+    assert kb is not None, f"no mapping {start:x}-{end:x} in /proc/self/smaps"
+    return kb * 1024
 
 
 def _address(m: mmap.mmap) -> int:

@@ -381,8 +381,9 @@ class CandidateEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = tokenizer or ModelTokenizer(self.model_dir)
         core = ov.Core()
+        on_cpu = profile.engine.device.upper() == "CPU"
         weights = None
-        if profile.kernels.get(ANONYMOUS_WEIGHTS, False) and profile.engine.device.upper() == "CPU":
+        if profile.kernels.get(ANONYMOUS_WEIGHTS, False) and on_cpu:
             from worker import resident
 
             copy = resident.private_copy(self.model_dir / "openvino_model.bin")
@@ -442,7 +443,7 @@ class CandidateEngine:
         else:
             self._compiled = core.compile_model(model, profile.engine.device, properties)
             self._request = self._compiled.create_infer_request()
-        if profile.kernels.get(RESIDENT_WEIGHTS, False) and profile.engine.device.upper() == "CPU" and weights is None:
+        if profile.kernels.get(RESIDENT_WEIGHTS, False) and on_cpu and weights is None:
             self._make_resident()
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
         self._calls: dict[int, int] = {}  # inferences per infer request (`stateful_feed`'s `call`)
