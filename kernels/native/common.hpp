@@ -90,6 +90,18 @@ inline bool env_off(const char* name) {
     return env && std::strcmp(env, "0") == 0;
 }
 
+// A byte count from the environment (`name` set to a decimal number, taken as whole cache lines, at
+// most 1 MB), else `fallback`: the native ops' tuning knobs, read once, for A/B runs of whole
+// processes (tests/bench_env_pair.py).
+inline size_t env_bytes(const char* name, size_t fallback) {
+    const char* env = std::getenv(name);
+    if (!env || !*env)
+        return fallback;
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(env, &end, 10);
+    return *end == '\0' && v <= (1u << 20) ? static_cast<size_t>(v) / 64 * 64 : fallback;
+}
+
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

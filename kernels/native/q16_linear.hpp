@@ -224,16 +224,13 @@ struct Weights {
     int zero(size_t i) const { return z4 ? ((i & 1) ? z[i >> 1] >> 4 : z[i >> 1] & 0x0F) : z[i]; }
 };
 
-// How far ahead in a task's weight rows the products prefetch: u8 rows (the LM head) 4 KB,
-// u4 rows 8 KB (docs/perf-log.md, sessions 7, 13 and 16).
-#ifndef IQ36_U8_AHEAD
-#define IQ36_U8_AHEAD 4096
-#endif
-constexpr size_t kU8Ahead = IQ36_U8_AHEAD;
-#ifndef IQ36_U4_AHEAD
-#define IQ36_U4_AHEAD 8192
-#endif
-constexpr size_t kU4Ahead = IQ36_U4_AHEAD;
+// How far ahead in a task's weight rows the products prefetch: u8 rows (the LM head) 8 KB, u4 rows
+// 8 KB (docs/perf-log.md, sessions 7, 13, 16 and 48). With the weights on 2 MB pages
+// (`anonymous_weights`) the u8 rows read 47 GB/s 8 KB ahead against 40.5 GB/s 4 KB ahead (the
+// LM head alone, two cores of the Zen 4 EPYC; on 4 KB pages ~30 GB/s either way). `IQ36_U8_AHEAD`
+// and `IQ36_U4_AHEAD` (bytes) in the environment override them.
+inline const size_t kU8Ahead = env_bytes("IQ36_U8_AHEAD", 8192);
+inline const size_t kU4Ahead = env_bytes("IQ36_U4_AHEAD", 8192);
 
 // Which cache the decode products prefetch into: L2 (_MM_HINT_T1). A decode step streams every
 // weight byte once, so a line landing in L1 only evicts the activations and tables the loop reuses;
