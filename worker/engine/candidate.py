@@ -733,7 +733,12 @@ class CandidateEngine:
             from kernels.native_decode_attention import STORE
 
             feed[STORE] = self._kv.feed
-        request.infer(feed)
+        # zero-copy both ways: the request reads the feed's fresh arrays in place (the copying
+        # dispatch took ~65 us a step against ~20), and no copy of every output is made for a
+        # result nobody reads (the logits are read from the request's tensor below). Every call
+        # shares: a request whose inputs were shared cannot take a copying call after it (the
+        # shared tensor cannot grow to a longer attention mask).
+        request.infer(feed, share_inputs=True, share_outputs=True)
         return request.get_tensor("logits").data[0, -1]
 
     def _snapshot(self, request: Any, max_bytes: int, copy: bool = True) -> dict[str, np.ndarray] | None:
