@@ -440,7 +440,13 @@ public:
             ((m_tile_int8 && experts::int8::dense(W, x.data<const float>(), M, outputs[0].data<float>())) ||
              experts::bf16::dense(W, x.data<const float>(), M, outputs[0].data<float>())))
             return true;
-        std::vector<q16::Row> rows(M);
+        // the calling thread's rounded rows, kept between calls: their buffers are reused instead
+        // of allocated anew by every call (~1 us of a call's ~8 us fixed cost; docs/perf-log.md,
+        // session 49). A reference, so that the tasks below (on other threads) read these rows and
+        // not their own thread's.
+        thread_local std::vector<q16::Row> held;
+        std::vector<q16::Row>& rows = held;
+        rows.resize(std::max(rows.size(), M));
         for (size_t m = 0; m < M; ++m)
             q16::quantize(x.data<const float>() + m * K, K, W.group, W.w4, rows[m], m_residual);
         float* y = outputs[0].data<float>();
