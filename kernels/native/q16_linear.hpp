@@ -79,6 +79,17 @@ struct Row {
     bool residual = true;
 };
 
+// The calling thread's rows for one use (`Slot`), kept between calls so that their buffers are
+// reused instead of allocated anew by every call (~1 us of a `Q16Linear` call's ~8 us fixed cost;
+// `U4Experts` 0.97-0.99 of its time without the allocations: docs/perf-log.md, session 49). A
+// reference: the tasks a call runs on other threads read the caller's rows through it (a
+// `thread_local` named inside a task would be the worker's own).
+template <int Slot>
+inline std::vector<Row>& held_rows() {
+    thread_local std::vector<Row> rows;
+    return rows;
+}
+
 // Where input i of a block of 128 u4 inputs goes. Packed byte j holds inputs 2j (low nibble) and
 // 2j + 1 (high nibble); `block_u4` splits a vector of them into the even and odd inputs' bytes
 // (e, o) and multiplies each byte by the activation byte in the same place: per vector of packed
@@ -440,12 +451,7 @@ public:
             ((m_tile_int8 && experts::int8::dense(W, x.data<const float>(), M, outputs[0].data<float>())) ||
              experts::bf16::dense(W, x.data<const float>(), M, outputs[0].data<float>())))
             return true;
-        // the calling thread's rounded rows, kept between calls: their buffers are reused instead
-        // of allocated anew by every call (~1 us of a call's ~8 us fixed cost; docs/perf-log.md,
-        // session 49). A reference, so that the tasks below (on other threads) read these rows and
-        // not their own thread's.
-        thread_local std::vector<q16::Row> held;
-        std::vector<q16::Row>& rows = held;
+        std::vector<q16::Row>& rows = q16::held_rows<0>();  // kept at the most rows seen
         rows.resize(std::max(rows.size(), M));
         for (size_t m = 0; m < M; ++m)
             q16::quantize(x.data<const float>() + m * K, K, W.group, W.w4, rows[m], m_residual);

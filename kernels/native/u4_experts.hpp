@@ -686,23 +686,18 @@ public:
             return q16::Weights{m.w, m.z, m.s, m.w4, m.z4, m.s16, E_ * m.out, m.in(), m.group};
         };
         const q16::Weights qgate = view(gate, E), qup = view(up, E), qdown = view(down, E);
-        // The rounded rows (x's and the act rows, the routed experts' and the shared one's) are the
-        // calling thread's, kept between calls so that their buffers are reused: a decode call
-        // allocated its 11 rows' ~45 buffers anew (the op 0.97-0.99 of its time without them;
-        // docs/perf-log.md, session 49).
-        // References, so that the tasks below (on other threads) read these and not their own
-        // thread's. Each keeps the size this call needs (the loops below count on it).
-        thread_local std::vector<q16::Row> held_xq, held_aq, held_sx, held_sa;
-        std::vector<q16::Row>& xq = held_xq;
-        std::vector<q16::Row>& aq = held_aq;
+        // the rounded rows, the calling thread's kept between calls (`q16::held_rows`), each sized
+        // to this call (the loops below count on it): x's and the act rows, routed and shared
+        std::vector<q16::Row>& xq = q16::held_rows<1>();
+        std::vector<q16::Row>& aq = q16::held_rows<2>();
         xq.resize(use_q16 ? T - skip : 0);
         aq.resize(use_q16 ? ids.size() : 0);
         for (size_t t = 0; t < xq.size(); ++t)
             q16::quantize(xp + (skip + t) * H, H, gate.group, gate.w4, xq[t], m_residual);
         // the shared expert's rows: x for its gate row and for gate and up, its act rows for down,
         // and each row's sigmoid gate
-        std::vector<q16::Row>& sx = held_sx;
-        std::vector<q16::Row>& sa = held_sa;
+        std::vector<q16::Row>& sx = q16::held_rows<3>();
+        std::vector<q16::Row>& sa = q16::held_rows<4>();
         sx.resize(shared ? T - skip : 0);
         sa.resize(sx.size());
         std::vector<float> sgate(sx.size()), sact(sx.size() * Is);
