@@ -100,6 +100,15 @@ TILE_FROM = MAX_ROWS + 1  # the op's rows from which the tiles take them (fewer:
 TILE_ROWS = "tile_rows"  # the op's attribute: calls of at least this many rows take the tiles
 TILE_INT8 = "tile_int8"  # the op's attribute: those rows on the int8 tiles (activations int8 per 32 inputs)
 
+# The LM head's op also gives each row's argmax (its `top` attribute, a second output), taken
+# while each task's logits are in its core's cache; the rewrite exposes it as the model output
+# GREEDY where the logits are the op's products unchanged (only f32 Converts between), and the
+# engine takes it for greedy draws no penalty or grammar changes: numpy's argmax over the
+# logits after `infer` reads the whole vector back from memory (~76 us a decode step on
+# dev-bench, 152k f32; docs/perf-log.md, session 50).
+TOP = "top"
+GREEDY = "greedy_token"
+
 
 class RewriteError(RuntimeError):
     pass
@@ -252,6 +261,7 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
         head_node = None
     head_sliced = head_node is not None and head_node.input_value(0).get_node().get_friendly_name().endswith(
         f"/{last_token_logits.NAME}")
+    logits = model.output(last_token_logits.LOGITS).get_node() if head_sliced else None  # its Result
     factory = native.factory()
     done = 0
     for matmul in model.get_ordered_ops():
@@ -270,14 +280,22 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
         if nibbles:  # the plugin's MatMul keeps the u4 constant; the op reads its bytes
             consts[0] = _as_bytes(consts[0])
 
-        def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles, tiles: bool = False) -> Any:
-            attributes = {"nibbles": nibbles, RESIDUAL: residual}
+        def q16(inputs: list[Any], consts: list[Any] = consts, nibbles: bool = nibbles, tiles: bool = False,
+                top: bool = False) -> Any:
+            attributes = {"nibbles": nibbles, RESIDUAL: residual, TOP: top}
             if tiles:
                 attributes[TILE_ROWS] = TILE_FROM
                 attributes[TILE_INT8] = tile_int8
             return factory.create("Q16Linear", [*inputs, *consts], attributes)
 
-        if is_head or not split:
+        if is_head and _unchanged_to(logits, matmul):
+            from openvino import opset8
+
+            node = q16([matmul.input_value(0)], top=True)
+            out = node.output(0)
+            node.output(1).get_tensor().set_names({GREEDY})
+            model.add_results([opset8.result(node.output(1))])
+        elif is_head or not split:
             out = q16([matmul.input_value(0)]).output(0)
         else:
             tiles = tail_rows > MAX_ROWS and nibbles
@@ -290,6 +308,17 @@ def apply(model: Any, min_bytes: int = MIN_BYTES, head: bool = True, split: bool
         raise RewriteError("no compressed dense matmul of the exported pattern was found")
     model.validate_nodes_and_infer_types()
     return model
+
+
+def _unchanged_to(result: Any, matmul: Any) -> bool:
+    """Whether the Result `result` holds `matmul`'s output unchanged (only f32 Converts between)."""
+    source = result.input_value(0)
+    while source.get_node().get_name() != matmul.get_name():
+        step = source.get_node()
+        if step.get_type_name() != "Convert" or step.get_output_element_type(0).get_type_name() != "f32":
+            return False
+        source = step.input_value(0)
+    return True
 
 
 # Inputs whose every dimension is a batch (1) or the token count (1 in a decode step).

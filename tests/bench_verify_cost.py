@@ -170,10 +170,10 @@ def main() -> int:
             prompt = build(lambda t: tokenizer.encode(t, add_special_tokens=False), args.context, prompt_class,
                            salt="verify:lookup").ids
             engine._reset_state()
-            logits, generated = engine._infer(np.asarray(prompt, dtype=np.int64), 0), []
+            logits, generated = engine._infer(np.asarray(prompt, dtype=np.int64), 0)[0], []
             while len(generated) < args.lookup_tokens:
                 generated.append(int(np.argmax(logits)))
-                logits = engine._infer(np.array([generated[-1]], dtype=np.int64), len(prompt) + len(generated) - 1)
+                logits, _ = engine._infer(np.array([generated[-1]], dtype=np.int64), len(prompt) + len(generated) - 1)
             outputs[prompt_class] = (prompt, generated)
     finally:
         engine.close()

@@ -298,6 +298,64 @@ def test_q16_linear_zero_blocks_and_zero_rows() -> None:
     assert _run(inputs, np.zeros((0, 512), np.float32)).shape == (0, 16)
 
 
+def _run_top(node_inputs: list, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The op with `top` on `x` (u4 weights as their bytes, as in `_run`): its products and its
+    argmax output."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    core = ov.Core()
+    native.register(core)
+    p = op.parameter(list(x.shape), np.float32, name="x")
+    w, *rest = node_inputs
+    nibbles = w.get_element_type() == ov.Type.u4
+    if nibbles:
+        w = q16_decode._as_bytes(w.output(0)).get_node()
+    y = native.factory().create("Q16Linear", [p, w, *rest], {q16_decode.TOP: True, "nibbles": nibbles})
+    result = core.compile_model(ov.Model(y.outputs(), [p]), "CPU").create_infer_request().infer({"x": x})
+    return np.array(result[0]), np.array(result[1])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 256), (3, 256), (0, 256)])
+@pytest.mark.parametrize("kind", ["u8-rows", "u4"])
+def test_q16_linear_top_is_the_argmax_of_its_products(shape: tuple[int, ...], kind: str) -> None:
+    """With `top` the op's second output is numpy's argmax of each row of its products (rows of
+    x of any leading dims, enough weight rows for many tasks, a row count off the 8-row units)."""
+    rng = np.random.default_rng(len(shape) * 7 + shape[0])
+    inputs, _ = _weights(rng, kind, 3001, 256, 128, np.float16)
+    x = rng.standard_normal(shape).astype(np.float32)
+    y, top = _run_top(inputs, x)
+    assert top.dtype == np.int64 and top.shape == shape[:-1]
+    assert np.array_equal(top, np.argmax(y, axis=-1) if y.size else np.zeros(shape[:-1], np.int64))
+
+
+@pytest.mark.parametrize(
+    ("ties", "nans", "expected"),
+    [
+        ([], [], 0),  # every row equal: the first
+        ([70, 1400, 2999], [], 70),  # equal maxima in different tasks: the first
+        ([70, 1400], [1500, 1301], 1301),  # a NaN wins over any value, the first NaN over later ones
+        ([], [5, 2990], 5),
+    ],
+)
+def test_q16_linear_top_is_numpys_argmax(ties: list[int], nans: list[int], expected: int) -> None:
+    """Equal maxima and NaNs across the op's tasks: the first, as `np.argmax` picks (the engine
+    takes this output instead of an argmax over the logits)."""
+    from openvino import opset15 as op
+
+    rows, k = 3000, 128
+    w = np.full((rows, k), 3, np.uint8)
+    scale = np.ones((rows, 1), np.float32)
+    if ties:
+        scale[:] = 0.5
+        scale[ties] = 2.0
+    scale[nans] = np.nan
+    inputs = [op.constant(w), op.constant(np.zeros((rows, 1), np.uint8)), op.constant(scale)]
+    y, top = _run_top(inputs, np.ones((1, k), np.float32))
+    assert int(np.argmax(y[0])) == expected
+    assert top.tolist() == [expected]
+
+
 def test_q16_linear_rejects_what_it_cannot_do() -> None:
     from openvino import opset15 as op
 
@@ -622,6 +680,38 @@ def test_decode_graph_gives_the_split_graphs_logits(tiny_dir: Path) -> None:
     want = _forced(_cpu_engine(tiny_dir, False), prompt, forced)
     assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_the_heads_argmax_is_the_engines_greedy_choice(tiny_dir: Path) -> None:
+    """On the `cpu` profile every graph the engine runs gives the LM head's argmax
+    (`greedy_token`): after each prefill chunk and decode step it is the argmax of the logits,
+    and greedy generation, which takes it, gives numpy's tokens."""
+    from tests.helpers import run_engine, tokens_of
+    from worker.engine import EngineRequest, SamplingParams
+
+    engine = _cpu_engine(tiny_dir, True)
+    try:
+        assert engine._greedy and engine._greedy == {id(r) for r in engine._requests()}
+        engine._reset_state()
+        prompt = np.arange(1000, 1150, dtype=np.int64)
+        for start in range(0, prompt.size, 64):
+            logits, top = engine._infer(prompt[start:start + 64], start)
+            assert top == int(np.argmax(logits))
+        for step in range(8):
+            logits, top = engine._infer(np.array([top], np.int64), prompt.size + step)
+            assert top == int(np.argmax(logits))
+        engine._reset_state()
+
+        def greedy(name: str) -> list[int]:
+            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+            return tokens_of(run_engine(engine, EngineRequest(name, tuple(prompt.tolist()), params,
+                                                              reuse_prefix=False)), name)
+
+        taken = greedy("op")
+        engine._greedy = set()  # numpy's argmax over the logits instead
+        assert taken == greedy("numpy")
+    finally:
+        engine.close()
 
 
 def test_decode_graph_runs_static_shapes(tiny_dir: Path) -> None:

@@ -99,6 +99,22 @@ def test_penalties_apply_to_greedy() -> None:
     assert sampler.sample(logits) == 1
 
 
+def test_greedy_takes_the_callers_argmax_only_when_nothing_changes_the_logits() -> None:
+    """`top` (the LM head op's argmax) stands for `np.argmax(logits)`: taken as is for a plain
+    greedy draw (a deliberately different id shows it is not recomputed), ignored once a penalty
+    or a temperature applies."""
+    logits = np.array([3.0, 2.9, 0.0], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0.0), prompt_ids=[2]).sample(logits, top=2) == 2
+    penalised = Sampler(SamplingParams(temperature=0.0, presence_penalty=1.0), prompt_ids=[2])
+    assert penalised.sample(logits, top=0) == 0  # no token generated yet: no penalty yet
+    penalised.accept(0)
+    assert penalised.sample(logits, top=0) == 1
+    repeated = Sampler(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt_ids=[0])
+    assert repeated.sample(logits, top=0) == 1
+    hot = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=3), prompt_ids=[2])
+    assert hot.sample(logits, top=2) == 0
+
+
 def test_same_seed_gives_the_same_draws() -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
     logits = _logits()

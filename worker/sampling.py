@@ -75,9 +75,13 @@ class Sampler:
             self._seen.add(token)
             self._seen_arr = None
 
+    def _penalised(self) -> bool:
+        """Whether some penalty changes the logits of the next draw."""
+        return self._repeat or (self._additive and bool(self._counts))
+
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
         """The logits after penalties; a copy only when some penalty is active."""
-        if not (self._repeat or (self._additive and self._counts)):
+        if not self._penalised():
             return logits
         out = np.array(logits, dtype=np.float32)  # never write into the model's output buffer
         if self._repeat and self._seen:
@@ -95,10 +99,16 @@ class Sampler:
             )
         return out
 
-    def sample(self, logits: np.ndarray) -> int:
-        """Choose the next token from a float32 logits vector of the model's vocabulary size."""
-        row = self.apply_penalties(np.asarray(logits).reshape(-1))
+    def sample(self, logits: np.ndarray, top: int | None = None) -> int:
+        """Choose the next token from a float32 logits vector of the model's vocabulary size.
+
+        `top`, when the caller has it, is `np.argmax(logits)` computed already (the LM head op
+        gives it): a greedy draw that no penalty changes takes it without reading the logits.
+        """
         p = self.params
+        if p.temperature == 0.0 and top is not None and not self._penalised():
+            return top
+        row = self.apply_penalties(np.asarray(logits).reshape(-1))
         if p.temperature == 0.0:
             return int(np.argmax(row))
         ids, probs = candidate_distribution(row, p.temperature, p.top_k, p.min_p, p.top_p)

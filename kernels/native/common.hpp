@@ -3,9 +3,13 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <vector>
 
@@ -107,6 +111,71 @@ inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+// The greedy choice over a vector, as numpy's argmax: the first NaN if there is one, else the
+// first of the largest values. Parts of the vector reduce in any order (`merge` is commutative).
+struct Top {
+    float value = -std::numeric_limits<float>::infinity();
+    int64_t index = -1;  // none yet
+
+    void merge(const Top& other) {
+        if (other.index < 0)
+            return;
+        if (index < 0) {
+            *this = other;
+            return;
+        }
+        const bool nan = std::isnan(value), other_nan = std::isnan(other.value);
+        if (nan != other_nan) {
+            if (other_nan)
+                *this = other;
+        } else if (nan || other.value == value) {
+            if (other.index < index)
+                *this = other;
+        } else if (other.value > value) {
+            *this = other;
+        }
+    }
+};
+
+// `Top` of y[0, n), its indices counted from `base`: one vector pass for the maximum (and whether
+// any NaN is there), a second up to its first place.
+inline Top top_of(const float* y, size_t n, int64_t base) {
+    if (n == 0)
+        return {};
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 unordered = _mm256_setzero_ps();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(y + i);
+        mx = _mm256_max_ps(mx, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float best = -std::numeric_limits<float>::infinity();
+    bool nan = _mm256_movemask_ps(unordered) != 0;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    for (float lane : lanes)
+        best = std::max(best, lane);
+    for (; i < n; ++i) {
+        nan = nan || std::isnan(y[i]);
+        best = std::max(best, y[i]);
+    }
+    const __m256 target = _mm256_set1_ps(best);
+    size_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(y + j);
+        const int hits = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
+        if (hits) {
+            j += static_cast<size_t>(__builtin_ctz(static_cast<unsigned>(hits)));
+            return {y[j], base + static_cast<int64_t>(j)};
+        }
+    }
+    for (; j < n; ++j)
+        if (nan ? std::isnan(y[j]) : y[j] == best)
+            return {y[j], base + static_cast<int64_t>(j)};
+    return {best, base};  // not reached: some value is the maximum
 }
 
 }  // namespace iq36

@@ -8,6 +8,9 @@
 //   zp     u8 [N, 1] / u4,u8 [N, G, 1]  zero points, one per row or per group
 //   scale  f16/f32, same shape as zp
 //   y      f32 [..., N]               y[n] = sum_g scale[n, g] * sum_{k in g} (w[n, k] - zp[n, g]) * x[k]
+//   top    i64 [...]                  with the `top` attribute only: argmax_n y[n] of each row, as
+//                                     numpy's (`Top`); the LM head's greedy choice, taken while each
+//                                     task's logits are in its core's cache
 //
 // How: each row of x is cut into blocks of 128 inputs, and each block is written as two integer
 // terms against its own scale sx = max |x| / 32767: x = sx * (q + lo / L), |q| <= 32767, lo the
@@ -34,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -365,8 +369,8 @@ public:
 
     Q16Linear() = default;
     explicit Q16Linear(const ov::OutputVector& args, bool nibbles = false, bool residual = true, int64_t tile_rows = 0,
-                       bool tile_int8 = false)
-        : Op(args), m_nibbles(nibbles), m_residual(residual), m_tile_rows(tile_rows), m_tile_int8(tile_int8) {
+                       bool tile_int8 = false, bool top = false)
+        : Op(args), m_nibbles(nibbles), m_residual(residual), m_tile_rows(tile_rows), m_tile_int8(tile_int8), m_top(top) {
         constructor_validate_and_infer_types();
     }
 
@@ -396,12 +400,17 @@ public:
         auto out = get_input_partial_shape(0);
         NODE_VALIDATION_CHECK(this, out.rank().is_static() && out.rank().get_length() >= 1, "x must have a rank");
         NODE_VALIDATION_CHECK(this, out[out.size() - 1].compatible(static_cast<int64_t>(K)), "x's last dim must be w's K");
+        auto rows = out;
         out[out.size() - 1] = static_cast<int64_t>(ws[0]);
         set_output_type(0, ov::element::f32, out);
+        if (m_top) {
+            rows.resize(rows.size() - 1);
+            set_output_type(1, ov::element::i64, rows);
+        }
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<Q16Linear>(args, m_nibbles, m_residual, m_tile_rows, m_tile_int8);
+        return std::make_shared<Q16Linear>(args, m_nibbles, m_residual, m_tile_rows, m_tile_int8, m_top);
     }
 
     // nibbles: w is u8 [N, G, g / 2], the packed bytes of u4 weights (the CPU plugin widens a u4
@@ -415,11 +424,13 @@ public:
     // tile_int8: those rows on the int8 tiles instead (`experts::int8::dense`: activations as int8
     // per 32 inputs, as the plugin quantizes its own compressed matmuls' there) where the CPU has
     // AVX512-VNNI; the bf16 tiles elsewhere.
+    // top: a second output, each row's argmax (above).
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("nibbles", m_nibbles);
         visitor.on_attribute("residual", m_residual);
         visitor.on_attribute("tile_rows", m_tile_rows);
         visitor.on_attribute("tile_int8", m_tile_int8);
+        visitor.on_attribute("top", m_top);
         return true;
     }
     bool has_evaluate() const override { return true; }
@@ -445,17 +456,27 @@ public:
         ov::Shape ys = xs;
         ys.back() = N;
         outputs[0].set_shape(ys);
+        std::vector<Top> tops(m_top ? M : 0);
+        std::mutex tops_lock;
+        if (m_top) {
+            ys.pop_back();
+            outputs[1].set_shape(ys);
+        }
         if (M == 0)
             return true;
+        float* y = outputs[0].data<float>();
         if (m_tile_rows > 0 && M >= static_cast<size_t>(m_tile_rows) &&
-            ((m_tile_int8 && experts::int8::dense(W, x.data<const float>(), M, outputs[0].data<float>())) ||
-             experts::bf16::dense(W, x.data<const float>(), M, outputs[0].data<float>())))
+            ((m_tile_int8 && experts::int8::dense(W, x.data<const float>(), M, y)) ||
+             experts::bf16::dense(W, x.data<const float>(), M, y))) {
+            for (size_t m = 0; m < tops.size(); ++m)
+                tops[m] = top_of(y + m * N, N, 0);
+            write_tops(tops, outputs);
             return true;
+        }
         std::vector<q16::Row>& rows = q16::held_rows<0>();  // kept at the most rows seen
         rows.resize(std::max(rows.size(), M));
         for (size_t m = 0; m < M; ++m)
             q16::quantize(x.data<const float>() + m * K, K, W.group, W.w4, rows[m], m_residual);
-        float* y = outputs[0].data<float>();
         // Tasks over units of eight weight rows (`dot_u4_8` takes eight at a time), each unit
         // once per row of x while it is in cache.
         constexpr size_t kRows = 8;
@@ -466,11 +487,28 @@ public:
                 for (size_t m = 0; m < M; ++m)
                     q16::dot(W, n, count, rows[m], y + m * N + n);
             }
+            if (tops.empty())
+                return;
+            const size_t n0 = r.begin() * kRows, n1 = std::min(N, r.end() * kRows);
+            for (size_t m = 0; m < M; ++m) {
+                const Top part = top_of(y + m * N + n0, n1 - n0, static_cast<int64_t>(n0));
+                std::lock_guard<std::mutex> hold(tops_lock);
+                tops[m].merge(part);
+            }
         });
+        write_tops(tops, outputs);
         return true;
     }
 
 private:
+    static void write_tops(const std::vector<Top>& tops, ov::TensorVector& outputs) {
+        if (tops.empty())
+            return;
+        int64_t* out = outputs[1].data<int64_t>();
+        for (size_t m = 0; m < tops.size(); ++m)
+            out[m] = tops[m].index;
+    }
+
     // Inputs per row and per group of w [N, K] (one group) or [N, G, g] (g / 2 bytes with nibbles).
     std::pair<size_t, size_t> k_and_group(const ov::Shape& ws) const {
         if (ws.size() == 2)
@@ -483,6 +521,7 @@ private:
     bool m_residual = true;
     int64_t m_tile_rows = 0;
     bool m_tile_int8 = false;
+    bool m_top = false;
 };
 
 }  // namespace iq36

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from iq36.profile import Profile
+from kernels.q16_decode import GREEDY
 from worker.detok import OutputStream
 from worker.engine import check_request
 from worker.engine.types import EngineRequest, FinishReason, StepOutput
@@ -445,6 +446,8 @@ class CandidateEngine:
             self._request = self._compiled.create_infer_request()
         if profile.kernels.get(RESIDENT_WEIGHTS, False) and on_cpu and weights is None:
             self._make_resident()
+        # the infer requests whose graph gives the LM head's argmax (kernels/lm_head_u8.py)
+        self._greedy = {id(r) for r in self._requests() if any(GREEDY in o.get_names() for o in r.model_outputs)}
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
         self._calls: dict[int, int] = {}  # inferences per infer request (`stateful_feed`'s `call`)
         self._queue: deque[EngineRequest] = deque()
@@ -580,12 +583,12 @@ class CandidateEngine:
         fed = 0
         while fed < ids.size:
             chunk = ids[fed:fed + self._chunk_for(ids.size)]
-            logits = self._infer(chunk, fed)
+            logits, _ = self._infer(chunk, fed)
             fed += chunk.size
         for i, token in enumerate(forced):
             yield np.array(logits, dtype=np.float32)
             if i + 1 < len(forced):
-                logits = self._infer(np.array([token], dtype=np.int64), fed)
+                logits, _ = self._infer(np.array([token], dtype=np.int64), fed)
                 fed += 1
 
     # -- the loop ----------------------------------------------------------------------------
@@ -607,17 +610,17 @@ class CandidateEngine:
             if start < run.turn_start < end:
                 end = run.turn_start  # stop there once, to keep the history's state (see _turn_start)
             ids = run.prompt[start:end]
-            logits = self._infer(ids, start)
+            logits, top = self._infer(ids, start)
             run.fed += ids.size
             if run.prefilling:
                 return None  # more chunks to go; nothing to say yet
         else:
             last = run.stream.token_ids[-1]
-            logits = self._infer(np.array([last], dtype=np.int64), run.fed)
+            logits, top = self._infer(np.array([last], dtype=np.int64), run.fed)
             run.fed += 1
         if run.decoder is not None:
-            logits = run.decoder.mask(logits)
-        token = run.sampler.sample(logits)
+            logits, top = run.decoder.mask(logits), None
+        token = run.sampler.sample(logits, top)
         if run.decoder is not None:
             run.decoder.accept(token)
         run.sampler.accept(token)
@@ -710,8 +713,9 @@ class CandidateEngine:
             return self._decode_request
         return self._request
 
-    def _infer(self, ids: np.ndarray, past: int) -> np.ndarray:
-        """Feed `ids` after `past` tokens of state; the last position's logits (a view)."""
+    def _infer(self, ids: np.ndarray, past: int) -> tuple[np.ndarray, int | None]:
+        """Feed `ids` after `past` tokens of state; the last position's logits (a view) and, where
+        the graph has the LM head's `greedy_token` output, their argmax."""
         request = self._request_for(int(ids.size), past)
         if self._live is None:  # every request holds an empty state
             self._live = request
@@ -739,7 +743,10 @@ class CandidateEngine:
         # shares: a request whose inputs were shared cannot take a copying call after it (the
         # shared tensor cannot grow to a longer attention mask).
         request.infer(feed, share_inputs=True, share_outputs=True)
-        return request.get_tensor("logits").data[0, -1]
+        logits = request.get_tensor("logits").data[0, -1]
+        if id(request) not in self._greedy:
+            return logits, None
+        return logits, int(request.get_tensor(GREEDY).data[0, -1])
 
     def _snapshot(self, request: Any, max_bytes: int, copy: bool = True) -> dict[str, np.ndarray] | None:
         """Copies of `request`'s state (`worker.prefix_cache.snapshot`; views if not `copy`), with
