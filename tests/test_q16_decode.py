@@ -329,6 +329,24 @@ def test_q16_linear_top_is_the_argmax_of_its_products(shape: tuple[int, ...], ki
     assert np.array_equal(top, np.argmax(y, axis=-1) if y.size else np.zeros(shape[:-1], np.int64))
 
 
+@_BF16
+def test_q16_linear_top_on_the_tiles() -> None:
+    """Calls that take the bf16 tiles (`tile_rows`) give the argmax of what the tiles wrote too."""
+    import openvino as ov
+    from openvino import opset15 as op
+
+    weights, _, x, attributes = _tile_case(5, 512, 128, 21)
+    core = ov.Core()
+    native.register(core)
+    p = op.parameter(list(x.shape), np.float32, name="x")
+    y = native.factory().create("Q16Linear", [p, *weights],
+                                {**attributes, q16_decode.TILE_ROWS: 5, q16_decode.TOP: True})
+    result = core.compile_model(ov.Model(y.outputs(), [p]), "CPU").create_infer_request().infer({"x": x})
+    got, top = np.array(result[0]), np.array(result[1])
+    assert np.array_equal(got, _run_attrs(weights, x, {**attributes, q16_decode.TILE_ROWS: 5}))
+    assert np.array_equal(top, np.argmax(got, axis=-1))
+
+
 @pytest.mark.parametrize(
     ("ties", "nans", "expected"),
     [

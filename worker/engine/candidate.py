@@ -446,7 +446,7 @@ class CandidateEngine:
             self._request = self._compiled.create_infer_request()
         if profile.kernels.get(RESIDENT_WEIGHTS, False) and on_cpu and weights is None:
             self._make_resident()
-        # the infer requests whose graph gives the LM head's argmax (kernels/lm_head_u8.py)
+        # the infer requests whose graph gives the LM head's argmax (kernels/q16_decode.py: GREEDY)
         self._greedy = {id(r) for r in self._requests() if any(GREEDY in o.get_names() for o in r.model_outputs)}
         self._live: Any = self._request  # the infer request holding the model state (None: empty)
         self._calls: dict[int, int] = {}  # inferences per infer request (`stateful_feed`'s `call`)
