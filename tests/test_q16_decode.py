@@ -30,22 +30,35 @@ def _u4(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[object, np.nd
     return op.constant(tensor), values
 
 
-def _run(node_inputs: list, x: np.ndarray) -> np.ndarray:
-    """The op on `x`; u4 weights go in as their packed bytes (`nibbles`), as q16_decode passes
-    them: a u4 constant that only the op reads would reach it widened to u8 by the plugin."""
+def _op_outputs(node_inputs: list, x: np.ndarray, attributes: dict[str, Any]) -> list[np.ndarray]:
+    """Every output of the op with these attributes on `x`, its weights as given."""
     import openvino as ov
     from openvino import opset15 as op
 
     core = ov.Core()
     native.register(core)
     p = op.parameter(list(x.shape), np.float32, name="x")
+    y = native.factory().create("Q16Linear", [p, *node_inputs], attributes)
+    result = core.compile_model(ov.Model(y.outputs(), [p]), "CPU").create_infer_request().infer({"x": x})
+    return [np.array(result[i]) for i in range(len(y.outputs()))]
+
+
+def _packed(node_inputs: list) -> tuple[list, bool]:
+    """The op's inputs as q16_decode passes them, and whether they are u4 bytes (`nibbles`): a u4
+    constant that only the op reads would reach it widened to u8 by the plugin."""
+    import openvino as ov
+
     w, *rest = node_inputs
     nibbles = w.get_element_type() == ov.Type.u4
     if nibbles:
         w = q16_decode._as_bytes(w.output(0)).get_node()
-    y = native.factory().create("Q16Linear", [p, w, *rest], {"nibbles": nibbles})
-    request = core.compile_model(ov.Model([y], [p]), "CPU").create_infer_request()
-    return np.array(request.infer({"x": x})[0])
+    return [w, *rest], nibbles
+
+
+def _run(node_inputs: list, x: np.ndarray) -> np.ndarray:
+    """The op on `x`, u4 weights as their packed bytes (`_packed`)."""
+    inputs, nibbles = _packed(node_inputs)
+    return _op_outputs(inputs, x, {"nibbles": nibbles})[0]
 
 
 def _weights(rng: np.random.Generator, kind: str, n: int, k: int, group: int, scale_type: type):
@@ -222,14 +235,7 @@ def test_q16_linear_tile_rows_int8(k: int, group: int, rows: int) -> None:
 
 def _run_attrs(node_inputs: list, x: np.ndarray, attributes: dict[str, Any]) -> np.ndarray:
     """The op with these attributes on `x`, its weights as given (u4 bytes already typed u8)."""
-    import openvino as ov
-    from openvino import opset15 as op
-
-    core = ov.Core()
-    native.register(core)
-    p = op.parameter(list(x.shape), np.float32, name="x")
-    y = native.factory().create("Q16Linear", [p, *node_inputs], attributes)
-    return np.array(core.compile_model(ov.Model([y], [p]), "CPU").create_infer_request().infer({"x": x})[0])
+    return _op_outputs(node_inputs, x, attributes)[0]
 
 
 def vnni_probe() -> None:
@@ -299,21 +305,10 @@ def test_q16_linear_zero_blocks_and_zero_rows() -> None:
 
 
 def _run_top(node_inputs: list, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The op with `top` on `x` (u4 weights as their bytes, as in `_run`): its products and its
-    argmax output."""
-    import openvino as ov
-    from openvino import opset15 as op
-
-    core = ov.Core()
-    native.register(core)
-    p = op.parameter(list(x.shape), np.float32, name="x")
-    w, *rest = node_inputs
-    nibbles = w.get_element_type() == ov.Type.u4
-    if nibbles:
-        w = q16_decode._as_bytes(w.output(0)).get_node()
-    y = native.factory().create("Q16Linear", [p, w, *rest], {q16_decode.TOP: True, "nibbles": nibbles})
-    result = core.compile_model(ov.Model(y.outputs(), [p]), "CPU").create_infer_request().infer({"x": x})
-    return np.array(result[0]), np.array(result[1])
+    """The op with `top` on `x` (u4 weights as their bytes): its products and its argmax output."""
+    inputs, nibbles = _packed(node_inputs)
+    y, top = _op_outputs(inputs, x, {q16_decode.TOP: True, "nibbles": nibbles})
+    return y, top
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 256), (3, 256), (0, 256)])
@@ -332,18 +327,10 @@ def test_q16_linear_top_is_the_argmax_of_its_products(shape: tuple[int, ...], ki
 @_BF16
 def test_q16_linear_top_on_the_tiles() -> None:
     """Calls that take the bf16 tiles (`tile_rows`) give the argmax of what the tiles wrote too."""
-    import openvino as ov
-    from openvino import opset15 as op
-
     weights, _, x, attributes = _tile_case(5, 512, 128, 21)
-    core = ov.Core()
-    native.register(core)
-    p = op.parameter(list(x.shape), np.float32, name="x")
-    y = native.factory().create("Q16Linear", [p, *weights],
-                                {**attributes, q16_decode.TILE_ROWS: 5, q16_decode.TOP: True})
-    result = core.compile_model(ov.Model(y.outputs(), [p]), "CPU").create_infer_request().infer({"x": x})
-    got, top = np.array(result[0]), np.array(result[1])
-    assert np.array_equal(got, _run_attrs(weights, x, {**attributes, q16_decode.TILE_ROWS: 5}))
+    tiles = {**attributes, q16_decode.TILE_ROWS: 5}
+    got, top = _op_outputs(weights, x, {**tiles, q16_decode.TOP: True})
+    assert np.array_equal(got, _run_attrs(weights, x, tiles))
     assert np.array_equal(top, np.argmax(got, axis=-1))
 
 
