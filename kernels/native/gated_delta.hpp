@@ -103,47 +103,12 @@ inline void sweep_columns(const float* src, float* dst, size_t dk, size_t dv, si
 // ymm registers)
 constexpr int kColumnVectors = IQ36_GDN_COLUMNS;
 
-// One sweep over the state's rows, in order, for one token (a decode step, whose state comes from
-// memory: the rows in order are the prefetchers' stream): first the previous token's update and output
-// (kUpdate: S += kp (x) dp, then op = qp . S), then this token's decay and kv (kDecay: S *= decay,
-// kv = k . S). Per element the same operations in the same order as two separate passes per
-// token (decay + kv, then update + out), so the same bits: the state is read and written once
-// per token instead of twice (it is 64 KB a head at 128 x 128, beyond L1: the passes were bound
-// by moving it through L2). The rows are read from `src` and written to `dst` (the same buffer
-// in a chunk); kStream writes the vector part with non-temporal stores (dst 32-byte aligned).
-template <bool kUpdate, bool kDecay, bool kStream = false>
-inline void sweep_rows(const float* src, float* dst, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op,
-                  float decay_s, const float* kt, float* kv) {
-    const __m256 decay = _mm256_set1_ps(decay_s);
-    for (size_t i = 0; i < dk; ++i) {
-        const float* in = src + i * dv;
-        float* row = dst + i * dv;
-        const __m256 kpi = _mm256_set1_ps(kUpdate ? kp[i] : 0.0f), qpi = _mm256_set1_ps(kUpdate ? qp[i] : 0.0f);
-        const __m256 ki = _mm256_set1_ps(kDecay ? kt[i] : 0.0f);
-        size_t j = 0;
-        for (; j + 8 <= dv; j += 8) {
-            __m256 s = _mm256_loadu_ps(in + j);
-            if constexpr (kUpdate) {
-                s = _mm256_fmadd_ps(kpi, _mm256_loadu_ps(dp + j), s);
-                _mm256_storeu_ps(op + j, _mm256_fmadd_ps(s, qpi, _mm256_loadu_ps(op + j)));
-            }
-            if constexpr (kDecay) {
-                s = _mm256_mul_ps(s, decay);
-                _mm256_storeu_ps(kv + j, _mm256_fmadd_ps(s, ki, _mm256_loadu_ps(kv + j)));
-            }
-            if constexpr (kStream)
-                _mm256_stream_ps(row + j, s);
-            else
-                _mm256_storeu_ps(row + j, s);
-        }
-        for (; j < dv; ++j)
-            row[j] = element<kUpdate, kDecay>(in[j], i, j, kp, dp, qp, op, decay_s, kt, kv);
-    }
-}
-
-// One sweep over the state for one token, as `sweep_rows` computes it (the same bits), for a
-// chunk's state, which stays in cache: column blocks of kColumnVectors x 8 (`sweep_columns`), then
-// of 8, then single columns. The op at dev-bench's shape (32 heads of 128 x 128, 512 tokens)
+// One sweep over the state for one token, for a chunk's state, which stays in cache: first the
+// previous token's update and output (kUpdate: S += kp (x) dp, then op = qp . S), then this
+// token's decay and kv (kDecay: S *= decay, kv = k . S); per element the same operations in the
+// same order as two separate passes per token (decay + kv, then update + out), so the same bits,
+// with the state walked once per token instead of twice. Column blocks of kColumnVectors x 8
+// (`sweep_columns`), then of 8, then single columns. The op at dev-bench's shape (32 heads of 128 x 128, 512 tokens)
 // 29-31 -> 15-18 ms on a Zen 4 (docs/perf-log.md, session 32).
 template <bool kUpdate, bool kDecay>
 inline void sweep(const float* src, float* dst, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op,
@@ -190,20 +155,47 @@ inline void head(const float* q, const float* k, const float* v, const float* g,
     }
 }
 
-// One head, one token (a decode step): the same two sweeps as `head` with T = 1, but the first
-// reads the state before the step from `s0` and leaves the decayed rows in `scratch` (dk x dv,
-// kept in cache), and the second writes the state after the step to `s1` with non-temporal
-// stores. `head` copies s0 to s1 first and walks s1 twice: the copy's read-for-ownership of s1
-// and its write-back made three DRAM transfers of the state per step where two are needed (the
-// state, 2 MB per layer at 32 heads, is evicted by the weights between steps). Same bits.
+// One head, one token (a decode step), the state before the step read from `s0` and the state
+// after it written to `s1`: two walks down the rows, as `head` computes them with T = 1 (the same
+// bits): the first decays each row of s0 and sums kv (reading the state from DRAM: it is 2 MB a
+// layer at 32 heads, evicted by the weights between steps), the second decays the row again (64
+// KB a head: it is still in L2; storing the decayed rows for the second walk cost more) and adds
+// the update, sums the output and streams the row to `s1` (non-temporal stores: `head` copies s0
+// to s1 first and walks s1 twice, and the copy's read-for-ownership of s1 and its write-back made
+// three DRAM transfers of the state per step where two are needed). The second walk also brings
+// the next head's state (`next`) into L2 row by row, so its first walk waits on no DRAM and its
+// reads overlap this head's writes. dv a multiple of 8; `kv` dv floats of scratch.
 inline void head_one(const float* q, const float* k, const float* v, float g, float beta, size_t dk, size_t dv, const float* s0,
-                     float* s1, float* out, float* delta, float* scratch) {
-    std::fill(delta, delta + dv, 0.0f);  // kv, then delta in place
-    sweep_rows<false, true>(s0, scratch, dk, dv, nullptr, nullptr, nullptr, nullptr, std::exp(g), k, delta);
+                     float* s1, float* out, float* kv, const float* next) {
+    const __m256 decay = _mm256_set1_ps(std::exp(g));
+    std::fill(kv, kv + dv, 0.0f);
+    for (size_t i = 0; i < dk; ++i) {
+        const float* row = s0 + i * dv;
+        const __m256 ki = _mm256_set1_ps(k[i]);
+        for (size_t j = 0; j < dv; j += 8) {
+            const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + j), decay);
+            _mm256_storeu_ps(kv + j, _mm256_fmadd_ps(s, ki, _mm256_loadu_ps(kv + j)));
+        }
+    }
+    float* delta = kv;  // in place
     for (size_t j = 0; j < dv; ++j)
         delta[j] = (v[j] - delta[j]) * beta;
     std::fill(out, out + dv, 0.0f);
-    sweep_rows<true, false, true>(scratch, s1, dk, dv, k, delta, q, out, 1.0f, nullptr, nullptr);
+    for (size_t i = 0; i < dk; ++i) {
+        const float* row = s0 + i * dv;
+        if (next) {
+            const char* p = reinterpret_cast<const char*>(next + i * dv);
+            for (size_t b = 0; b < dv * sizeof(float); b += 64)
+                _mm_prefetch(p + b, _MM_HINT_T1);
+        }
+        const __m256 kpi = _mm256_set1_ps(k[i]), qpi = _mm256_set1_ps(q[i]);
+        for (size_t j = 0; j < dv; j += 8) {
+            __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + j), decay);
+            s = _mm256_fmadd_ps(kpi, _mm256_loadu_ps(delta + j), s);
+            _mm256_storeu_ps(out + j, _mm256_fmadd_ps(s, qpi, _mm256_loadu_ps(out + j)));
+            _mm256_stream_ps(s1 + i * dv + j, s);
+        }
+    }
 }
 
 }  // namespace gdn
@@ -257,13 +249,15 @@ public:
         const bool one = T == 1 && dv % 8 == 0 && reinterpret_cast<uintptr_t>(s1) % 32 == 0;
         tbb::parallel_for(tbb::blocked_range<size_t>(0, B * H), [&](const tbb::blocked_range<size_t>& r) {
             thread_local std::vector<float> delta;
-            thread_local AlignedVector<float> scratch;
             delta.resize(2 * dv);
             if (one) {
-                scratch.resize(dk * dv);
-                for (size_t bh = r.begin(); bh != r.end(); ++bh)
+                // The next head in index order: the default partitioner hands out ranges of a head
+                // or two, and a thread mostly takes the next ones.
+                for (size_t bh = r.begin(); bh != r.end(); ++bh) {
+                    const float* next = bh + 1 < B * H ? s0 + (bh + 1) * dk * dv : nullptr;
                     gdn::head_one(q + bh * dk, k + bh * dk, v + bh * dv, g[bh], beta[bh], dk, dv, s0 + bh * dk * dv,
-                                  s1 + bh * dk * dv, out + bh * dv, delta.data(), scratch.data());
+                                  s1 + bh * dk * dv, out + bh * dv, delta.data(), next);
+                }
                 _mm_sfence();  // the streamed state is visible before the op returns
                 return;
             }
