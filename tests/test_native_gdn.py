@@ -60,9 +60,9 @@ def test_gated_delta_rule_is_the_loop_body(tokens: int, dk: int, dv: int) -> Non
 @pytest.mark.parametrize("dv", [24, 20, 32, 128])
 def test_gated_delta_rule_decode_steps_are_the_chunk(dv: int) -> None:
     """Tokens fed one call each (decode: the state read from the input and streamed to the
-    output, dv a multiple of 8; dv = 20 takes the chunk path; 32 and 128 the zmm form on a CPU
-    with AVX-512F) give the same bits, outputs and state, as the same tokens in one chunk: per
-    element the same operations in the same order."""
+    output, dv a multiple of 8; dv = 20 takes the chunk path; 128 is the real model's head) give
+    the same bits, outputs and state, as the same tokens in one chunk: per element the same
+    operations in the same order."""
     rng = np.random.default_rng(dv)
     b, h, tokens, dk = 1, 3, 3, 16
     q, k = ((rng.standard_normal((b, h, tokens, dk)) / np.sqrt(dk)).astype(np.float32) for _ in range(2))

@@ -108,8 +108,8 @@ constexpr int kColumnVectors = IQ36_GDN_COLUMNS;
 // token's decay and kv (kDecay: S *= decay, kv = k . S); per element the same operations in the
 // same order as two separate passes per token (decay + kv, then update + out), so the same bits,
 // with the state walked once per token instead of twice. Column blocks of kColumnVectors x 8
-// (`sweep_columns`), then of 8, then single columns. The op at dev-bench's shape (32 heads of 128 x 128, 512 tokens)
-// 29-31 -> 15-18 ms on a Zen 4 (docs/perf-log.md, session 32).
+// (`sweep_columns`), then of 8, then single columns. The op at dev-bench's shape (32 heads of
+// 128 x 128, 512 tokens) 29-31 -> 15-18 ms on a Zen 4 (docs/perf-log.md, session 32).
 template <bool kUpdate, bool kDecay>
 inline void sweep(const float* src, float* dst, size_t dk, size_t dv, const float* kp, const float* dp, const float* qp, float* op,
                   float decay_s, const float* kt, float* kv) {
@@ -164,20 +164,19 @@ inline void head(const float* q, const float* k, const float* v, const float* g,
 // to s1 first and walks s1 twice, and the copy's read-for-ownership of s1 and its write-back made
 // three DRAM transfers of the state per step where two are needed). The second walk also brings
 // the next head's state (`next`) into L2 row by row, so its first walk waits on no DRAM and its
-// reads overlap this head's writes. dv a multiple of 8; `kv` dv floats of scratch.
+// reads overlap this head's writes. dv a multiple of 8; `delta` dv floats of scratch.
 inline void head_one(const float* q, const float* k, const float* v, float g, float beta, size_t dk, size_t dv, const float* s0,
-                     float* s1, float* out, float* kv, const float* next) {
+                     float* s1, float* out, float* delta, const float* next) {
     const __m256 decay = _mm256_set1_ps(std::exp(g));
-    std::fill(kv, kv + dv, 0.0f);
+    std::fill(delta, delta + dv, 0.0f);  // kv, then delta in place
     for (size_t i = 0; i < dk; ++i) {
         const float* row = s0 + i * dv;
         const __m256 ki = _mm256_set1_ps(k[i]);
         for (size_t j = 0; j < dv; j += 8) {
             const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + j), decay);
-            _mm256_storeu_ps(kv + j, _mm256_fmadd_ps(s, ki, _mm256_loadu_ps(kv + j)));
+            _mm256_storeu_ps(delta + j, _mm256_fmadd_ps(s, ki, _mm256_loadu_ps(delta + j)));
         }
     }
-    float* delta = kv;  // in place
     for (size_t j = 0; j < dv; ++j)
         delta[j] = (v[j] - delta[j]) * beta;
     std::fill(out, out + dv, 0.0f);
