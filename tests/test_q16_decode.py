@@ -396,6 +396,18 @@ def test_u4_experts_q16_rows(tokens: int) -> None:
     assert np.array_equal(f32, q16) == (tokens > 4)
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_u4_experts_q16_rows_past_one_column_block(tokens: int) -> None:
+    """Decode's down products take `kDecodeColumns` (1024) output columns a task, every row of a
+    present expert on its own: 1152 columns are a whole block and an eighth of one, and an expert
+    picked by both rows (two tokens) sums both rows' outputs into their own tokens."""
+    from tests.test_native import _check_u4_experts
+
+    rng = np.random.default_rng(200 + tokens)
+    idx = np.array([[0, 3, 5], [5, 1, 0]][:tokens], dtype=np.int32)
+    _check_u4_experts(rng, idx, 0, np.float16, experts=6, hidden=1152, width=128, groups=(128, 128), q16_rows=4)
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 5])
 def test_u4_experts_q16_rows_without_the_residual(tokens: int) -> None:
     """`residual` False: the q16 rows' activations (x and the act rows) as their int16 term

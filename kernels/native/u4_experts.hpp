@@ -460,6 +460,10 @@ constexpr size_t kGateRows = IQ36_GATE_ROWS;  // rows of gate and of up per stag
 #define IQ36_DOWN_ROWS 128
 #endif
 constexpr size_t kDownRows = IQ36_DOWN_ROWS;  // rows of down (output columns) per stage-2 task
+// Output columns per stage-2 task in decode: 256 KB of down's packed rows at 512 inputs (the real
+// model's experts) read as one stream; two tasks per row at H = 2048. 256, 512 and 2048 measured
+// alike (docs/perf-log.md, session 53).
+constexpr size_t kDecodeColumns = 1024;
 static_assert(kGateRows <= kTaskRows && kDownRows <= kTaskRows, "slice_of sizes the tiles for kTaskRows rows");
 
 // A dense matmul's N output rows (m's, taken as expert 0's) for M tokens on the tiles, in tasks of
@@ -953,6 +957,47 @@ public:
                     for (size_t i = 0; i < start[e + 1] - start[e]; ++i)
                         q16::quantize(act + aoff[e] + i * I, I, down.group, down.w4, aq[start[e] + i], m_residual);
 
+        // stage 2 in decode (every present expert of at most kDirect rows, on the q16 products): a task
+        // per (row of a present expert, or of the shared expert; kDecodeColumns output columns), so
+        // each task reads its rows of down front to back, one stream of kDecodeColumns x I / 2 bytes,
+        // instead of a kDownRows slice of every expert in turn. The rows' outputs are kept apart and
+        // summed after, per column in the order below (the present experts in order, each one's
+        // rows, then the shared expert): the same sums. Measured (dev-bench, 1024): this stage
+        // 180 -> 154 us a call (docs/perf-log.md, session 53).
+        if (use_q16 && std::all_of(present.begin(), present.end(), [&](size_t e) { return start[e + 1] - start[e] <= kDirect; })) {
+            const size_t units = ids.size() + sx.size(), cols = std::min(H, kDecodeColumns);
+            const size_t blocks = (H + cols - 1) / cols;
+            std::vector<size_t> unit_expert(ids.size());  // the expert of each (row, slot) pair, in bucket order
+            for (size_t e : present)
+                std::fill(unit_expert.begin() + start[e], unit_expert.begin() + start[e + 1], e);
+            std::vector<float>& held = decode_outputs();  // the calling thread's; the tasks get its data
+            held.resize(units * H);
+            float* const outs = held.data();
+            tbb::parallel_for(tbb::blocked_range<size_t>(0, units * blocks), [&](const tbb::blocked_range<size_t>& r) {
+                for (size_t task = r.begin(); task != r.end(); ++task) {
+                    const size_t u = task / blocks, c0 = (task % blocks) * cols, nc = std::min(cols, H - c0);
+                    if (u < ids.size())
+                        q16::dot(qdown, unit_expert[u] * H + c0, nc, aq[u], outs + u * H + c0);
+                    else
+                        q16::dot(sw[3], c0, nc, sa[u - ids.size()], outs + u * H + c0);
+                }
+            });
+            for (size_t e : present)
+                for (size_t k = start[e]; k < start[e + 1]; ++k) {
+                    float* dst = y + token[k] * H;
+                    const float* o = outs + k * H;
+                    for (size_t c = 0; c < H; ++c)
+                        dst[c] += route[k] * o[c];
+                }
+            for (size_t t = 0; t < sx.size(); ++t) {
+                float* dst = y + (skip + t) * H;
+                const float* o = outs + (ids.size() + t) * H;
+                for (size_t c = 0; c < H; ++c)
+                    dst[c] += sgate[t] * o[c];
+            }
+            return true;
+        }
+
         // stage 2: y[t, cols] += route * act . down^T, per kDownRows output columns
         tbb::parallel_for(tbb::blocked_range<size_t>(0, (H + kDownRows - 1) / kDownRows), [&](const tbb::blocked_range<size_t>& r) {
             thread_local std::vector<float> tile, out, scales, dacc;
@@ -1026,6 +1071,13 @@ public:
 
 private:
     size_t per_element() const { return m_nibbles ? 2 : 1; }  // weight values per element of w
+
+    // Stage 2's decode outputs, a row of H per (row, slot) pair and shared row: the calling
+    // thread's, kept between calls (a thread_local named inside a task would be the worker's own).
+    static std::vector<float>& decode_outputs() {
+        thread_local std::vector<float> outs;
+        return outs;
+    }
 
     int64_t m_q16_rows = 0;
     bool m_nibbles = false;
